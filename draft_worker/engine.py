@@ -1,0 +1,119 @@
+"""Draft engines: propose tokens after id_last.
+
+Both keep the same contract, so the router cannot tell them apart: Propose
+appends the tail it is given and then d0 .. dk-2 to the sequence (the drafts
+it evaluated to find the next one), and returns d0 .. dk-1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specd.engine import ModelInfo, SeqState, WorkerEngine
+from specd.errors import InvalidArgument
+from specd.llama import LlamaConfig
+from specd.model_engine import ModelEngine
+from specd.sampling import top_probability
+
+MAX_DRAFT = 64
+
+
+@dataclass
+class ProposeResult:
+    tokens: list[int]
+    state: SeqState
+
+
+def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
+    if not 1 <= n_max <= MAX_DRAFT:
+        raise InvalidArgument(f"n_max must be in [1, {MAX_DRAFT}], got {n_max}")
+    if not 0 <= n_min <= n_max:
+        raise InvalidArgument(f"n_min must be in [0, n_max = {n_max}], got {n_min}")
+    if not 0.0 <= p_min <= 1.0:
+        raise InvalidArgument(f"p_min must be in [0, 1], got {p_min}")
+
+
+class _ProposeMixin:
+    """Validation and the n_min cut shared by both draft engines."""
+
+    def _begin(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
+        seq = self._check_seq(seq_id)
+        toks = self._check_tokens(tokens)
+        check_propose_params(n_max, n_min, p_min)
+        self._check_append(seq, pos, len(toks))
+        # the drafts d0..dk-2 are decoded too: never past the context
+        room = self.n_ctx_seq - (pos + len(toks))
+        return toks, max(0, min(n_max, room + 1))
+
+    def _finish(self, seq_id: int, end: int, drafts: list[int], n_min: int) -> ProposeResult:
+        if len(drafts) < n_min:
+            drafts = []
+        keep = end + max(len(drafts) - 1, 0)
+        if self.seqs[seq_id].pos_max + 1 > keep and self.can_rm_partial:
+            self.seq_rm(seq_id, keep, -1)
+        return ProposeResult(drafts, self.state(seq_id))
+
+
+class DraftModelEngine(_ProposeMixin, ModelEngine):
+    """Greedy drafting with a small llama.cpp model (common_speculative_draft)."""
+
+    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> ProposeResult:
+        toks, n_max = self._begin(seq_id, pos, tokens, n_max, n_min, p_min)
+        self.check_batch(len(toks))
+        end = pos + len(toks)
+        logits = self.decode_logits(seq_id, pos, toks, 1)
+        drafts: list[int] = []
+        while len(drafts) < n_max:
+            tok, p = top_probability(logits[0])
+            if p < p_min:
+                break
+            drafts.append(tok)
+            if len(drafts) == n_max:
+                break
+            logits = self.decode_logits(seq_id, end + len(drafts) - 1, np.array([tok], dtype=np.int32), 1)
+        return self._finish(seq_id, end, drafts, n_min)
+
+
+class NgramEngine(_ProposeMixin, WorkerEngine):
+    """Model-free drafting from the sequence's own token history."""
+
+    kind = "ngram"
+
+    def __init__(self, spec: str, n_seq: int, n_ctx_seq: int, cache_path: str | None = None):
+        from draft_worker.ngram import make_proposer
+
+        super().__init__(n_seq, n_ctx_seq, n_vocab=0)
+        self.spec = spec
+        kwargs = {"cache_path": cache_path} if cache_path else {}
+        self.proposers = [make_proposer(spec, **kwargs) for _ in range(n_seq)]
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            kind=self.kind, description=f"ngram:{self.spec}", architecture="", n_vocab=0,
+            vocab_fingerprint="", n_ctx_seq=self.n_ctx_seq, n_seq=self.n_seq, can_rm_partial=True,
+            can_shift=True, n_swa=0, eog_tokens=(), add_bos=False, n_threads=1, model_path="",
+        )
+
+    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> ProposeResult:
+        toks, n_max = self._begin(seq_id, pos, tokens, n_max, n_min, p_min)
+        self._decode_tracked(seq_id, pos, toks)
+        end = pos + len(toks)
+        history = self.seqs[seq_id].tokens()
+        proposer = self.proposers[seq_id]
+        proposer.observe(history)
+        drafts = [int(t) for t in proposer.propose(history, n_max)][:n_max] if n_max else []
+        if len(drafts) > 1:
+            self._decode_tracked(seq_id, end, np.asarray(drafts[:-1], dtype=np.int32))
+        return self._finish(seq_id, end, drafts, n_min)
+
+    def clear(self, seq_id: int) -> None:
+        super().clear(seq_id)
+        for i in range(self.n_seq) if seq_id == -1 else [seq_id]:
+            self.proposers[i].reset()
+
+
+def make_draft_engine(model_path: str | None, ngram: str | None, config: LlamaConfig | None, **kw):
+    if ngram:
+        return NgramEngine(ngram, config.n_seq, config.n_ctx_seq, kw.get("cache_path"))
+    return DraftModelEngine(config)

@@ -1,0 +1,257 @@
+"""Two transports to a worker, one interface for the router's loop.
+
+Every method returns an awaitable at once and operations run on the worker in
+the order they were issued, so the loop can issue a KV operation and the next
+decode without waiting in between (pipelining). Results are plain objects
+(specd.engine types); failures raise specd.errors.SpecdError.
+
+- `GrpcWorker` speaks to a worker process over one `Execute` stream.
+- `LocalWorker` calls an engine in this process on one thread: the same loop
+  without gRPC (the in-process reference of the benchmark).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from specd import errors
+from specd.engine import CheckpointInfo, ModelInfo, SeqState
+from specd.sampling import Sampling
+from specd.v1 import worker_pb2 as pb
+from specd.v1 import worker_pb2_grpc as pb_grpc
+
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+@dataclass
+class VerifyOut:
+    tokens: list[int]
+    pieces: list[bytes]
+    state: SeqState
+
+
+@dataclass
+class ProposeOut:
+    tokens: list[int]
+    state: SeqState
+
+
+def error_for(code_name: str, message: str) -> errors.SpecdError:
+    cls = {c.code: c for c in errors.SpecdError.__subclasses__()}.get(code_name, errors.Internal)
+    return cls(message)
+
+
+def _state(s: pb.SeqState) -> SeqState:
+    return SeqState(s.seq_id, s.pos_min, s.pos_max, s.n_tokens, s.token_hash)
+
+
+def _model_info(i: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        kind=i.kind, description=i.description, architecture=i.architecture, n_vocab=i.n_vocab,
+        vocab_fingerprint=i.vocab_fingerprint, n_ctx_seq=i.n_ctx_seq, n_seq=i.n_seq,
+        can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
+        eog_tokens=tuple(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
+    )
+
+
+def _unwrap(res: pb.WorkerResult):
+    which = res.WhichOneof("result")
+    if which == "error":
+        raise error_for(_CODE_NAMES.get(res.error.code, "INTERNAL"), res.error.message)
+    if which == "state":
+        return _state(res.state)
+    if which == "checkpoint":
+        c = res.checkpoint
+        return CheckpointInfo(c.handle, c.seq_id, c.pos_min, c.pos_max, c.n_tokens, c.n_bytes)
+    if which == "verify":
+        v = res.verify
+        return VerifyOut(list(v.tokens), list(v.pieces), _state(v.state))
+    if which == "propose":
+        p = res.propose
+        return ProposeOut(list(p.tokens), _state(p.state))
+    return None
+
+
+def _sampling_pb(s: Sampling) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed)
+
+
+class _Ops:
+    """The operation methods, written once over `_send(op_name, **fields)`."""
+
+    def decode(self, seq_id: int, pos: int, tokens):
+        return self._send("decode", seq_id=seq_id, pos=pos, tokens=tokens)
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int):
+        return self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int):
+        return self._send("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
+
+    def checkpoint_save(self, seq_id: int):
+        return self._send("checkpoint_save", seq_id=seq_id)
+
+    def checkpoint_restore(self, handle: int, drop: bool = False):
+        return self._send("checkpoint_restore", handle=handle, drop=drop)
+
+    def checkpoint_drop(self, handle: int):
+        return self._send("checkpoint_drop", handle=handle)
+
+    def state(self, seq_id: int):
+        return self._send("get_seq_state", seq_id=seq_id)
+
+    def clear(self, seq_id: int):
+        return self._send("clear", seq_id=seq_id)
+
+    def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool):
+        return self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
+                          sample_index=sample_index, trim=trim)
+
+    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
+        return self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max, n_min=n_min, p_min=p_min)
+
+
+_REQUEST_TYPES = {
+    "decode": pb.DecodeRequest, "seq_rm": pb.SeqRmRequest, "seq_add": pb.SeqAddRequest,
+    "checkpoint_save": pb.CheckpointSaveRequest, "checkpoint_restore": pb.CheckpointRestoreRequest,
+    "checkpoint_drop": pb.CheckpointDropRequest, "get_seq_state": pb.GetSeqStateRequest,
+    "clear": pb.ClearRequest, "verify": pb.VerifyRequest, "propose": pb.ProposeRequest,
+}
+
+
+class GrpcWorker(_Ops):
+    """A worker process reached over gRPC; hot-path calls share one stream."""
+
+    def __init__(self, address: str, name: str, channel: grpc.aio.Channel | None = None, timeout: float = 30.0):
+        self.address = address
+        self.name = name
+        self.timeout = timeout
+        self.channel = channel or grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self._stub = pb_grpc.WorkerStub(self.channel)
+        self._queue: asyncio.Queue | None = None
+        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        self._reader: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- unary
+    async def model_info(self) -> ModelInfo:
+        return _model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        r = await self._unary(self._stub.Tokenize, pb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special))
+        return list(r.tokens)
+
+    async def detokenize(self, tokens) -> str:
+        return (await self._unary(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))).text
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_for(exc.code().name, f"{self.name} worker at {self.address}: {exc.details()}") from None
+
+    # --------------------------------------------------------------- stream
+    def _send(self, name: str, **fields) -> asyncio.Future:
+        if "sampling" in fields:
+            fields["sampling"] = _sampling_pb(fields["sampling"])
+        op = pb.WorkerOp(**{name: _REQUEST_TYPES[name](**fields)})
+        if self._reader is None or self._reader.done():
+            self._open()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(fut)
+        self._queue.put_nowait(op)
+        return fut
+
+    def _open(self) -> None:
+        self._queue = asyncio.Queue()
+        queue = self._queue
+
+        async def requests():
+            while True:
+                op = await queue.get()
+                if op is None:
+                    return
+                yield op
+
+        call = self._stub.Execute(requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read(call))
+
+    async def _read(self, call) -> None:
+        try:
+            async for res in call:
+                fut = self._pending.popleft()
+                if fut.cancelled():
+                    continue
+                try:
+                    fut.set_result(_unwrap(res))
+                except errors.SpecdError as exc:
+                    fut.set_exception(exc)
+            failure: errors.SpecdError = errors.Unavailable(f"{self.name} worker at {self.address} closed the stream")
+        except grpc.aio.AioRpcError as exc:
+            failure = error_for(exc.code().name, f"{self.name} worker at {self.address}: {exc.details()}")
+        except asyncio.CancelledError:
+            failure = errors.Unavailable(f"{self.name} worker connection closed")
+        while self._pending:
+            fut = self._pending.popleft()
+            if not fut.done():
+                fut.set_exception(failure)
+                fut.exception()  # mark retrieved: the owner may be gone
+
+    async def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.channel.close()
+
+
+class LocalWorker(_Ops):
+    """An engine in this process, called on one thread in issue order."""
+
+    def __init__(self, engine, name: str):
+        self.engine = engine
+        self.name = name
+        self.address = "in-process"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"local-{name}")
+
+    async def model_info(self) -> ModelInfo:
+        return await self._call(lambda: self.engine.info())
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return await self._call(lambda: self.engine.tokenize(text, add_special, parse_special))
+
+    async def detokenize(self, tokens) -> str:
+        return await self._call(lambda: self.engine.detokenize(tokens))
+
+    def _call(self, fn) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def _send(self, name: str, **f) -> asyncio.Future:
+        e = self.engine
+        if name == "verify":
+            def fn():
+                r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"])
+                return VerifyOut(r.tokens, r.pieces, r.state)
+        elif name == "propose":
+            def fn():
+                r = e.propose(f["seq_id"], f["pos"], f["tokens"], f["n_max"], f["n_min"], f["p_min"])
+                return ProposeOut(r.tokens, r.state)
+        else:
+            method = {"get_seq_state": "state"}.get(name, name)
+            args = list(f.values())
+
+            def fn():
+                return getattr(e, method)(*args)
+        return self._call(fn)
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,483 @@
+"""The router's speculative loop, independent of the transport.
+
+For each session the router owns the token history (`ctx`: the tokens in the
+context, at positions 0..len-1; the last one, id_last, is not decoded yet) and
+knows how much of it each worker holds. Every step:
+
+    propose on the draft -> verify on the target -> roll both back to the
+    accepted length -> hand the accepted tokens to the caller
+
+and every KV operation is mirrored on both workers. The draft is never made
+to re-evaluate what it holds (llama.cpp's TAG_SPEC_AVOID_DRAFT_REEVAL): after
+a step it keeps id_last and the accepted drafts, and only the missing tail is
+sent with the next Propose.
+
+Models that cannot remove part of a sequence (recurrent / hybrid) run in
+checkpoint mode: save before drafting and verifying, restore and re-decode the
+accepted tokens on partial acceptance.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from specd.engine import ModelInfo, SeqState
+from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
+from specd.sampling import Sampling
+from specd.tokens import history_hash
+
+log = logging.getLogger("specd.router")
+
+MAX_DRAFT = 64
+
+
+@dataclass
+class RouterSettings:
+    n_max: int = 4
+    n_min: int = 0
+    p_min: float = 0.0
+    checkpoint_mode: bool = False  # force checkpoints even where partial removal works
+    check_alignment: bool = False
+    max_queue: int = 64
+
+
+@dataclass
+class GenParams:
+    """One request, validated, in plain Python."""
+
+    prompt: list[int]
+    max_tokens: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    speculative: bool | None = None
+    n_max: int | None = None
+    n_min: int | None = None
+    p_min: float | None = None
+    context_shift: bool = False
+    n_keep: int = 0
+
+
+@dataclass
+class StepStats:
+    n_drafted: int
+    n_accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    step_seconds: float
+
+
+@dataclass
+class Step:
+    """Tokens accepted in one step (already cut at EOG / max_tokens)."""
+
+    tokens: list[int]
+    pieces: list[bytes]
+
+
+@dataclass
+class Result:
+    reason: str = ""  # "eog" | "length"
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    n_steps: int = 0
+    n_shifts: int = 0
+    n_divergences: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    speculative: bool = False
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class Divergence(Internal):
+    pass
+
+
+class SeqPool:
+    """Sequence ids shared by both workers; bounded wait queue."""
+
+    def __init__(self, n_seq: int, max_queue: int):
+        self.free = list(range(n_seq - 1, -1, -1))
+        self.max_queue = max_queue
+        self.waiters: list[asyncio.Future] = []
+
+    @property
+    def n_running(self) -> int:
+        return self.capacity - len(self.free)
+
+    async def acquire(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if len(self.waiters) >= self.max_queue:
+            raise ResourceExhausted(f"all sequences are busy and the queue is full (max_queue = {self.max_queue})")
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut in self.waiters:
+                self.waiters.remove(fut)
+            elif fut.done() and not fut.cancelled():
+                self.release(fut.result())
+            raise
+
+    def release(self, seq: int) -> None:
+        while self.waiters:
+            fut = self.waiters.pop(0)
+            if not fut.done():
+                fut.set_result(seq)
+                return
+        self.free.append(seq)
+
+
+class _Session:
+    def __init__(self, seq: int, params: GenParams):
+        self.seq = seq
+        self.p = params
+        self.ctx = list(params.prompt)
+        self.n_t = 0  # tokens of ctx the target holds
+        self.n_d = 0  # tokens of ctx the draft holds
+        self.res = Result(n_prompt=len(params.prompt))
+        self.with_draft = False  # the draft holds (or held) this sequence
+        # pipelined operations not awaited yet, per worker
+        self.pending_t: list[asyncio.Future] = []
+        self.pending_d: list[asyncio.Future] = []
+
+
+class Router:
+    def __init__(self, target, draft, settings: RouterSettings):
+        self.target = target
+        self.draft = draft
+        self.settings = settings
+        self.step_observers: list[Callable[[StepStats], None]] = []
+        self.target_info: ModelInfo | None = None
+        self.draft_info: ModelInfo | None = None
+        self.draft_up = False
+        self.pool: SeqPool | None = None
+
+    # ---------------------------------------------------------------- start
+    async def start(self) -> None:
+        self.target_info = await self.target.model_info()
+        n_seq = self.target_info.n_seq
+        if self.draft is not None:
+            self.draft_info = await self.draft.model_info()
+            check_vocab(self.target_info, self.draft_info)
+            n_seq = min(n_seq, self.draft_info.n_seq)
+            self.draft_up = True
+        self.eog = frozenset(self.target_info.eog_tokens)
+        self.n_ctx = self.target_info.n_ctx_seq
+        if self.draft_info is not None:
+            self.n_ctx = min(self.n_ctx, self.draft_info.n_ctx_seq)
+        self.pool = SeqPool(n_seq, self.settings.max_queue)
+        # start from empty sequences whatever an earlier router left behind
+        await self.target.clear(-1)
+        if self.draft is not None:
+            await self.draft.clear(-1)
+
+    @property
+    def checkpoint_mode(self) -> bool:
+        if self.settings.checkpoint_mode:
+            return True
+        infos = [self.target_info] + ([self.draft_info] if self.draft_info else [])
+        return not all(i.can_rm_partial for i in infos)
+
+    # ----------------------------------------------------------- validation
+    def validate(self, p: GenParams) -> None:
+        n_vocab = self.target_info.n_vocab
+        if not p.prompt:
+            raise InvalidArgument("prompt must not be empty")
+        for i, t in enumerate(p.prompt):
+            if not 0 <= t < n_vocab:
+                raise InvalidArgument(f"prompt_tokens[{i}] = {t} is not in [0, n_vocab = {n_vocab})")
+        if len(p.prompt) > self.n_ctx:
+            raise InvalidArgument(f"prompt has {len(p.prompt)} tokens; the context of a sequence holds {self.n_ctx}")
+        if p.max_tokens is not None:
+            if p.max_tokens <= 0:
+                raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}")
+            if not self._can_shift(p) and len(p.prompt) + p.max_tokens > self.n_ctx:
+                raise InvalidArgument(
+                    f"max_tokens = {p.max_tokens} with a prompt of {len(p.prompt)} tokens exceeds the context "
+                    f"of a sequence ({self.n_ctx}); lower max_tokens or set context_shift"
+                )
+        p.sampling.validate("sampling")
+        if p.n_max is not None and not 1 <= p.n_max <= MAX_DRAFT:
+            raise InvalidArgument(f"speculative.n_max must be in [1, {MAX_DRAFT}], got {p.n_max}")
+        n_max = p.n_max if p.n_max is not None else self.settings.n_max
+        if p.n_min is not None and not 0 <= p.n_min <= n_max:
+            raise InvalidArgument(f"speculative.n_min must be in [0, n_max = {n_max}], got {p.n_min}")
+        if p.p_min is not None and not 0.0 <= p.p_min <= 1.0:
+            raise InvalidArgument(f"speculative.p_min must be in [0, 1], got {p.p_min}")
+        if p.n_keep < 0 or p.n_keep >= self.n_ctx // 2:
+            raise InvalidArgument(f"n_keep must be in [0, {self.n_ctx // 2}), got {p.n_keep}")
+
+    def _can_shift(self, p: GenParams) -> bool:
+        return p.context_shift and not self.checkpoint_mode and self.target_info.can_shift and (
+            self.draft_info is None or self.draft_info.can_shift
+        )
+
+    # -------------------------------------------------------------- generate
+    async def generate(self, p: GenParams, result: Result) -> AsyncIterator[Step]:
+        """Yield the accepted tokens step by step; fill `result` as it goes.
+        Closing the iterator early (cancel, stop string) frees the sequence."""
+        self.validate(p)
+        seq = await self.pool.acquire()
+        s = _Session(seq, p)
+        s.res = result
+        result.n_prompt = len(p.prompt)
+        use_draft = self.draft is not None and self.draft_up and p.speculative is not False
+        result.speculative = s.with_draft = use_draft
+        try:
+            t0 = time.perf_counter()
+            use_draft = await self._prefill(s, use_draft)
+            result.prompt_seconds = time.perf_counter() - t0
+            t_gen = time.perf_counter()
+            limit = p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p)
+            while True:
+                if len(s.ctx) > self.n_ctx:  # no position left for id_last
+                    if not self._can_shift(p):
+                        result.reason = "length"
+                        break
+                    use_draft = await self._context_shift(s, use_draft)
+                out, pieces, use_draft = await self._step(s, use_draft, limit - result.n_generated)
+                out, pieces, finish = self._cut(out, pieces, limit - result.n_generated)
+                result.n_generated += len(out)
+                result.generation_seconds = time.perf_counter() - t_gen
+                if finish == "eog":  # counted as generated, not shown
+                    out, pieces = out[:-1], pieces[:-1]
+                if out:
+                    yield Step(out, pieces)
+                if finish:
+                    result.reason = finish
+                    break
+        finally:
+            await self._release(s, use_draft)
+
+    def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
+        """Cut a step's tokens after an end-of-generation token or at max_tokens."""
+        finish = ""
+        for i, t in enumerate(out):
+            if t in self.eog:
+                out, pieces, finish = out[: i + 1], pieces[: i + 1], "eog"
+                break
+        if len(out) > room:
+            return out[:room], pieces[:room], "length"
+        if len(out) == room and not finish:
+            finish = "length"
+        return out, pieces, finish
+
+    def _default_max_tokens(self, p: GenParams) -> int:
+        if self._can_shift(p):
+            return self.n_ctx
+        return self.n_ctx - len(p.prompt)
+
+    async def _prefill(self, s: _Session, use_draft: bool) -> bool:
+        """Decode the prompt but its last token on both workers at once."""
+        head = s.ctx[:-1]
+        if not head:
+            return use_draft
+        futs = [self.target.decode(s.seq, 0, head)]
+        if use_draft:
+            futs.append(self.draft.decode(s.seq, 0, head))
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        s.n_t = len(head)
+        if use_draft:
+            if isinstance(results[1], BaseException):
+                return self._draft_failed(s, results[1])
+            s.n_d = len(head)
+        return use_draft
+
+    # ------------------------------------------------------------------ step
+    async def _step(self, s: _Session, use_draft: bool, remaining: int) -> tuple[list[int], list[bytes], bool]:
+        t0 = time.perf_counter()
+        p, seq, ctx = s.p, s.seq, s.ctx
+        n = len(ctx)
+        ckpt = self.checkpoint_mode
+        n_max = p.n_max if p.n_max is not None else self.settings.n_max
+        n_min = p.n_min if p.n_min is not None else self.settings.n_min
+        p_min = p.p_min if p.p_min is not None else self.settings.p_min
+        k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0
+
+        if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
+            s.pending_t.append(self.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
+            s.n_t = n - 1
+
+        drafts: list[int] = []
+        held_d = s.n_d
+        ck_d = None
+        t_draft = 0.0
+        if k >= max(1, n_min):
+            try:
+                if ckpt:
+                    ck_d = self.draft.checkpoint_save(seq)
+                prop = await self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min)
+                drafts = prop.tokens
+                held_d = prop.state.pos_max + 1
+                if ck_d is not None:
+                    ck_d = (await ck_d).handle
+            except SpecdError as exc:
+                use_draft = self._draft_failed(s, exc)
+                drafts, ck_d = [], None
+            t_draft = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        ck_t = self.target.checkpoint_save(seq) if ckpt and drafts else None
+        ver = await self.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt)
+        out = ver.tokens
+        t_verify = time.perf_counter() - t1
+        a = len(out) - 1
+        keep = n + a  # positions of the context after this step that are decoded: id_last + accepted drafts
+
+        if ck_t is not None:
+            handle = (await ck_t).handle
+            if a < len(drafts):
+                s.pending_t.append(self.target.checkpoint_restore(handle, drop=True))
+                s.pending_t.append(self.target.decode(seq, n - 1, [ctx[-1]] + drafts[:a]))
+            else:
+                s.pending_t.append(self.target.checkpoint_drop(handle))
+        s.n_t = keep
+
+        if use_draft and held_d > s.n_d:
+            keep_d = min(held_d, keep)
+            if ck_d is not None:
+                if held_d > keep_d:
+                    s.pending_d.append(self.draft.checkpoint_restore(ck_d, drop=True))
+                else:
+                    s.pending_d.append(self.draft.checkpoint_drop(ck_d))
+                    s.n_d = keep_d
+            else:
+                if held_d > keep_d:
+                    s.pending_d.append(self.draft.seq_rm(seq, keep_d, -1))
+                s.n_d = keep_d
+
+        ctx.extend(out)
+        if drafts:
+            s.res.n_drafted += len(drafts)
+            s.res.n_accepted += a
+            while len(s.res.accepted_per_pos) < len(drafts):
+                s.res.accepted_per_pos.append(0)
+            for i in range(a):
+                s.res.accepted_per_pos[i] += 1
+        s.res.n_steps += 1
+
+        use_draft = await self._settle(s, use_draft)
+        if self.settings.check_alignment:
+            use_draft = await self._check_alignment(s, use_draft)
+        stats = StepStats(len(drafts), a, t_draft, t_verify, time.perf_counter() - t0)
+        for obs in self.step_observers:
+            obs(stats)
+        return out, ver.pieces, use_draft
+
+    async def _settle(self, s: _Session, use_draft: bool) -> bool:
+        """Await the pipelined operations. A target failure fails the request;
+        a draft failure only turns the draft off for this session."""
+        pending_t, s.pending_t = s.pending_t, []
+        pending_d, s.pending_d = s.pending_d, []
+        for fut in pending_t:
+            await fut
+        for fut in pending_d:
+            try:
+                await fut
+            except SpecdError as exc:
+                use_draft = self._draft_failed(s, exc)
+        return use_draft
+
+    def _draft_failed(self, s: _Session, exc: BaseException) -> bool:
+        """Degrade to target-only decoding: the request goes on without the draft."""
+        log.warning("draft worker failed for seq %d, continuing target-only: %s", s.seq, exc)
+        for fut in s.pending_d:
+            if not fut.done():
+                fut.cancel()
+        s.pending_d = []
+        return False
+
+    # ------------------------------------------------------------- alignment
+    async def _check_alignment(self, s: _Session, use_draft: bool) -> bool:
+        futs = [self.target.state(s.seq)]
+        if use_draft:
+            futs.append(self.draft.state(s.seq))
+        states = await asyncio.gather(*futs, return_exceptions=True)
+        if isinstance(states[0], BaseException):
+            raise states[0]
+        problem = _mismatch(states[0], s.ctx, s.n_t)
+        if problem:
+            s.res.n_divergences += 1
+            raise Divergence(f"target worker diverged from the router's history: {problem}")
+        if use_draft:
+            if isinstance(states[1], BaseException):
+                return self._draft_failed(s, states[1])
+            problem = _mismatch(states[1], s.ctx, s.n_d)
+            if problem:
+                s.res.n_divergences += 1
+                log.error("draft worker diverged (seq %d): %s; re-syncing it from history", s.seq, problem)
+                await self._resync_draft(s)
+        return use_draft
+
+    async def _resync_draft(self, s: _Session) -> None:
+        await self.draft.clear(s.seq)
+        s.n_d = 0
+        if len(s.ctx) > 1:
+            await self.draft.decode(s.seq, 0, s.ctx[:-1])
+            s.n_d = len(s.ctx) - 1
+
+    # --------------------------------------------------------- context shift
+    async def _context_shift(self, s: _Session, use_draft: bool) -> bool:
+        n_keep = max(s.p.n_keep, 0)
+        n_past = len(s.ctx) - 1
+        n_discard = (n_past - n_keep) // 2
+        if n_discard <= 0:
+            raise FailedPrecondition("context shift cannot free any position")
+        workers = [(self.target, "n_t", s.pending_t)]
+        if use_draft:
+            workers.append((self.draft, "n_d", s.pending_d))
+        for w, attr, pending in workers:
+            held = getattr(s, attr)
+            if held > n_keep + n_discard:
+                pending.append(w.seq_rm(s.seq, n_keep, n_keep + n_discard))
+                pending.append(w.seq_add(s.seq, n_keep + n_discard, -1, -n_discard))
+                setattr(s, attr, held - n_discard)
+            elif held > n_keep:
+                pending.append(w.seq_rm(s.seq, n_keep, -1))
+                setattr(s, attr, n_keep)
+        del s.ctx[n_keep : n_keep + n_discard]
+        s.res.n_shifts += 1
+        return await self._settle(s, use_draft)
+
+    async def _release(self, s: _Session, use_draft: bool) -> None:
+        for fut in s.pending_t + s.pending_d:
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: errors here no longer matter
+        futs = [self.target.clear(s.seq)]
+        if s.with_draft:
+            futs.append(self.draft.clear(s.seq))
+        try:
+            await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout=10)
+        except Exception:  # the workers may be gone; the sequence is freed all the same
+            log.warning("could not clear seq %d on the workers", s.seq)
+        self.pool.release(s.seq)
+
+
+def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:
+    want_min, want_max = (0, n - 1) if n else (-1, -1)
+    if (state.pos_min, state.pos_max, state.n_tokens) != (want_min, want_max, n):
+        return (f"holds positions [{state.pos_min}, {state.pos_max}] ({state.n_tokens} tokens), "
+                f"the router expects [{want_min}, {want_max}] ({n} tokens)")
+    if state.token_hash != history_hash(ctx[:n]):
+        return f"holds other tokens at positions [0, {n})"
+    return ""
+
+
+def check_vocab(target: ModelInfo, draft: ModelInfo) -> None:
+    """The draft must tokenize like the target (model-free drafters have no vocabulary)."""
+    if draft.n_vocab == 0 and not draft.vocab_fingerprint:
+        return
+    if draft.n_vocab != target.n_vocab or draft.vocab_fingerprint != target.vocab_fingerprint:
+        raise FailedPrecondition(
+            f"the draft model {draft.model_path or draft.description!r} (n_vocab {draft.n_vocab}) does not share "
+            f"the vocabulary of the target model {target.model_path or target.description!r} "
+            f"(n_vocab {target.n_vocab}); speculative decoding needs identical vocabularies"
+        )

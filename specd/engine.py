@@ -1,0 +1,268 @@
+"""The worker engine: sequences, KV operations, checkpoints, validation.
+
+`WorkerEngine` keeps, per sequence, the (position, token) pairs the worker
+holds (specd.tokens.SeqTokens) and validates every request before touching
+anything, so a bad request changes nothing. Subclasses supply the storage:
+`ModelEngine` a llama.cpp context, the n-gram draft engine only the history.
+
+Engines are synchronous and not thread-safe; the gRPC layer runs them on one
+thread.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specd.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specd.tokens import SeqTokens, range_mask
+
+
+@dataclass
+class ModelInfo:
+    kind: str
+    description: str
+    architecture: str
+    n_vocab: int
+    vocab_fingerprint: str
+    n_ctx_seq: int
+    n_seq: int
+    can_rm_partial: bool
+    can_shift: bool
+    n_swa: int
+    eog_tokens: tuple[int, ...]
+    add_bos: bool
+    n_threads: int
+    model_path: str
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    pos_min: int
+    pos_max: int
+    n_tokens: int
+    token_hash: str
+
+
+@dataclass
+class CheckpointInfo:
+    handle: int
+    seq_id: int
+    pos_min: int
+    pos_max: int
+    n_tokens: int
+    n_bytes: int
+
+
+@dataclass
+class _Checkpoint:
+    info: CheckpointInfo
+    tokens: SeqTokens
+    data: bytes = b""
+
+
+@dataclass
+class EngineStats:
+    """Counters a metrics exporter reads."""
+
+    decode_calls: int = 0
+    decode_tokens: int = 0
+    checkpoint_bytes: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class WorkerEngine:
+    """Bookkeeping and validation common to every worker."""
+
+    kind = "base"
+
+    def __init__(self, n_seq: int, n_ctx_seq: int, n_vocab: int, max_checkpoint_bytes: int = 1 << 30):
+        self.n_seq = n_seq
+        self.n_ctx_seq = n_ctx_seq
+        self.n_vocab = n_vocab
+        self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.seqs = [SeqTokens() for _ in range(n_seq)]
+        self.checkpoints: dict[int, _Checkpoint] = {}
+        self._handles = itertools.count(1)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------ storage hooks
+    can_rm_partial = True
+    can_shift = True
+
+    def _kv_decode(self, seq_id: int, pos: int, tokens: np.ndarray) -> None:
+        pass
+
+    def _kv_rm(self, seq_id: int, p0: int, p1: int) -> None:
+        pass
+
+    def _kv_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        pass
+
+    def _kv_cp(self, src: int, dst: int) -> None:
+        pass
+
+    def _kv_save(self, seq_id: int) -> bytes:
+        return b""
+
+    def _kv_restore(self, seq_id: int, data: bytes) -> None:
+        pass
+
+    def _kv_range(self, seq_id: int) -> tuple[int, int]:
+        s = self.seqs[seq_id]
+        return s.pos_min, s.pos_max
+
+    def info(self) -> ModelInfo:
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- validation
+    def _check_seq(self, seq_id: int, name: str = "seq_id") -> SeqTokens:
+        if not 0 <= seq_id < self.n_seq:
+            raise InvalidArgument(f"{name} must be in [0, {self.n_seq}), got {seq_id}")
+        return self.seqs[seq_id]
+
+    def _check_tokens(self, tokens, name: str = "tokens", allow_empty: bool = False) -> np.ndarray:
+        toks = np.asarray(tokens, dtype=np.int64)
+        if len(toks) == 0 and not allow_empty:
+            raise InvalidArgument(f"{name} must not be empty")
+        if self.n_vocab > 0 and len(toks):
+            bad = np.nonzero((toks < 0) | (toks >= self.n_vocab))[0]
+            if len(bad):
+                i = int(bad[0])
+                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, n_vocab = {self.n_vocab})")
+        return toks.astype(np.int32)
+
+    def _check_append(self, seq: SeqTokens, pos: int, n: int, name: str = "pos") -> None:
+        expected = seq.pos_max + 1 if len(seq) else None
+        if pos < 0:
+            raise InvalidArgument(f"{name} must be >= 0, got {pos}")
+        if expected is not None and pos != expected:
+            raise FailedPrecondition(
+                f"{name} = {pos} but the sequence holds positions [{seq.pos_min}, {seq.pos_max}]; "
+                f"the next position is {expected}"
+            )
+        if pos + n > self.n_ctx_seq:
+            raise OutOfRange(
+                f"positions [{pos}, {pos + n}) exceed the context of a sequence (n_ctx_seq = {self.n_ctx_seq})"
+            )
+
+    @staticmethod
+    def _check_range(p0: int, p1: int) -> None:
+        if p0 >= 0 and p1 >= 0 and p1 < p0:
+            raise InvalidArgument(f"p1 ({p1}) must be >= p0 ({p0}) or negative")
+
+    # -------------------------------------------------------------- operations
+    def state(self, seq_id: int) -> SeqState:
+        seq = self._check_seq(seq_id)
+        pos_min, pos_max = self._kv_range(seq_id)
+        return SeqState(seq_id, pos_min, pos_max, len(seq), seq.hash())
+
+    def decode(self, seq_id: int, pos: int, tokens) -> SeqState:
+        seq = self._check_seq(seq_id)
+        toks = self._check_tokens(tokens)
+        self._check_append(seq, pos, len(toks))
+        self._decode_tracked(seq_id, pos, toks)
+        return self.state(seq_id)
+
+    def _decode_tracked(self, seq_id: int, pos: int, toks: np.ndarray) -> None:
+        self._kv_decode(seq_id, pos, toks)
+        self.seqs[seq_id].append(pos, toks)
+        self.stats.decode_calls += 1
+        self.stats.decode_tokens += len(toks)
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> SeqState:
+        seq = self._check_seq(seq_id)
+        self._check_range(p0, p1)
+        whole = (p0 <= 0 or p0 <= seq.pos_min) and (p1 < 0 or p1 > seq.pos_max)
+        if not whole and not self.can_rm_partial and len(seq):
+            raise FailedPrecondition("this model cannot remove part of a sequence; use checkpoints")
+        self._kv_rm(seq_id, p0, p1)
+        seq.rm(p0, p1)
+        return self.state(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> SeqState:
+        seq = self._check_seq(seq_id)
+        self._check_range(p0, p1)
+        if not self.can_shift:
+            raise FailedPrecondition("this model cannot shift positions (llama_memory_can_shift is false)")
+        moved = seq.shifted_positions(p0, p1, delta)
+        if len(moved):
+            if moved.min() < 0:
+                raise InvalidArgument(f"delta = {delta} would move position {int(moved.min() - delta)} below 0")
+            if moved.max() >= self.n_ctx_seq:
+                raise InvalidArgument(f"delta = {delta} would move a position past n_ctx_seq = {self.n_ctx_seq}")
+            staying = seq.pos[~range_mask(seq.pos, p0, p1)]
+            clash = np.intersect1d(staying, moved)
+            if len(clash):
+                raise FailedPrecondition(f"seq_add would put two tokens at position {int(clash[0])}")
+        self._kv_add(seq_id, p0, p1, delta)
+        seq.add(p0, p1, delta)
+        return self.state(seq_id)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> SeqState:
+        self._check_seq(src, "seq_id_src")
+        self._check_seq(dst, "seq_id_dst")
+        if src == dst:
+            raise InvalidArgument("seq_id_src and seq_id_dst must differ")
+        # Sequences live in separate KV streams; llama.cpp copies across
+        # streams only whole sequences (and aborts the process otherwise).
+        if p0 > 0 or p1 >= 0:
+            raise InvalidArgument("seq_cp copies whole sequences only: p0 and p1 must be negative")
+        self._kv_cp(src, dst)
+        self.seqs[dst] = self.seqs[src].copy()
+        return self.state(dst)
+
+    def clear(self, seq_id: int) -> None:
+        ids = range(self.n_seq) if seq_id == -1 else [seq_id]
+        if seq_id != -1:
+            self._check_seq(seq_id)
+        for s in ids:
+            self._kv_rm(s, -1, -1)
+            self.seqs[s].clear()
+        for h in [h for h, c in self.checkpoints.items() if c.info.seq_id in ids]:
+            self.checkpoint_drop(h)
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_save(self, seq_id: int) -> CheckpointInfo:
+        seq = self._check_seq(seq_id)
+        data = self._kv_save(seq_id)
+        if self.stats.checkpoint_bytes + len(data) > self.max_checkpoint_bytes:
+            raise ResourceExhausted(
+                f"checkpoint of {len(data)} bytes exceeds the worker's checkpoint budget "
+                f"({self.max_checkpoint_bytes} bytes, {self.stats.checkpoint_bytes} held)"
+            )
+        info = CheckpointInfo(next(self._handles), seq_id, seq.pos_min, seq.pos_max, len(seq), len(data))
+        self.checkpoints[info.handle] = _Checkpoint(info, seq.copy(), data)
+        self.stats.checkpoint_bytes += len(data)
+        return info
+
+    def _get_checkpoint(self, handle: int) -> _Checkpoint:
+        ck = self.checkpoints.get(handle)
+        if ck is None:
+            raise NotFound(f"no checkpoint with handle {handle}")
+        return ck
+
+    def checkpoint_restore(self, handle: int, drop: bool = False) -> SeqState:
+        ck = self._get_checkpoint(handle)
+        seq_id = ck.info.seq_id
+        self._kv_rm(seq_id, -1, -1)
+        if len(ck.tokens):
+            self._kv_restore(seq_id, ck.data)
+        self.seqs[seq_id] = ck.tokens.copy()
+        if drop:
+            self.checkpoint_drop(handle)
+        return self.state(seq_id)
+
+    def checkpoint_drop(self, handle: int) -> None:
+        ck = self.checkpoints.pop(handle, None)
+        if ck is None:
+            raise NotFound(f"no checkpoint with handle {handle}")
+        self.stats.checkpoint_bytes -= ck.info.n_bytes
+
+    def sequences_in_use(self) -> int:
+        return sum(1 for s in self.seqs if len(s))
+
+    def cells_used(self) -> int:
+        return sum(len(s) for s in self.seqs)

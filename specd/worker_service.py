@@ -1,0 +1,198 @@
+"""The gRPC face of a worker engine: protobuf in, engine call, protobuf out.
+
+All engine calls run on one thread (the engine is not thread-safe and
+llama.cpp releases the GIL while it computes), so the event loop stays free
+for health checks and new streams. This module does not import llama_cpp.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import grpc
+
+from specd.engine import CheckpointInfo, ModelInfo, SeqState
+from specd.errors import SpecdError, Unimplemented
+from specd.sampling import Sampling
+from specd.v1 import worker_pb2 as pb
+from specd.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specd.worker")
+
+
+# ------------------------------------------------------------------ converters
+def state_pb(s: SeqState) -> pb.SeqState:
+    return pb.SeqState(seq_id=s.seq_id, pos_min=s.pos_min, pos_max=s.pos_max, n_tokens=s.n_tokens, token_hash=s.token_hash)
+
+
+def checkpoint_pb(c: CheckpointInfo) -> pb.Checkpoint:
+    return pb.Checkpoint(handle=c.handle, seq_id=c.seq_id, pos_min=c.pos_min, pos_max=c.pos_max, n_tokens=c.n_tokens, n_bytes=c.n_bytes)
+
+
+def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        kind=i.kind, description=i.description, architecture=i.architecture, n_vocab=i.n_vocab,
+        vocab_fingerprint=i.vocab_fingerprint, n_ctx_seq=i.n_ctx_seq, n_seq=i.n_seq,
+        can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
+        eog_tokens=list(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
+    )
+
+
+def sampling_from_pb(s: pb.SamplingParams) -> Sampling:
+    # proto3 defaults: top_p 0 means "unset" = 1.0 (disabled)
+    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p, seed=s.seed)
+
+
+# ------------------------------------------------------------------ operations
+def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
+    if not hasattr(e, "verify"):
+        raise Unimplemented("Verify is served by the target worker only")
+    res = e.verify(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim)
+    return pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state))
+
+
+def _propose(e, r: pb.ProposeRequest) -> pb.ProposeResponse:
+    if not hasattr(e, "propose"):
+        raise Unimplemented("Propose is served by the draft worker only")
+    res = e.propose(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min)
+    return pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state))
+
+
+def _clear(e, r):
+    e.clear(r.seq_id)
+    return pb.ClearResponse()
+
+
+def _drop(e, r):
+    e.checkpoint_drop(r.handle)
+    return pb.CheckpointDropResponse()
+
+
+# name of the WorkerOp oneof field -> (engine call, WorkerResult field)
+OPS: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
+    "decode": (lambda e, r: state_pb(e.decode(r.seq_id, r.pos, r.tokens)), "state"),
+    "seq_rm": (lambda e, r: state_pb(e.seq_rm(r.seq_id, r.p0, r.p1)), "state"),
+    "seq_add": (lambda e, r: state_pb(e.seq_add(r.seq_id, r.p0, r.p1, r.delta)), "state"),
+    "seq_cp": (lambda e, r: state_pb(e.seq_cp(r.seq_id_src, r.seq_id_dst, r.p0, r.p1)), "state"),
+    "checkpoint_save": (lambda e, r: checkpoint_pb(e.checkpoint_save(r.seq_id)), "checkpoint"),
+    "checkpoint_restore": (lambda e, r: state_pb(e.checkpoint_restore(r.handle, r.drop)), "state"),
+    "checkpoint_drop": (_drop, "done"),
+    "get_seq_state": (lambda e, r: state_pb(e.state(r.seq_id)), "state"),
+    "clear": (_clear, "done"),
+    "verify": (_verify, "verify"),
+    "propose": (_propose, "propose"),
+}
+
+
+class EngineRunner:
+    """Runs engine calls one at a time on a dedicated thread."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def run(self, fn: Callable[[Any, Any], Any], request) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.engine, request)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+async def _unary(runner: EngineRunner, fn, request, context: grpc.aio.ServicerContext):
+    try:
+        return await runner.run(fn, request)
+    except SpecdError as exc:
+        await context.abort(grpc.StatusCode[exc.code], exc.message)
+    except Exception as exc:  # a bug must not take the worker down
+        log.exception("engine call failed")
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def _execute_one(engine, op: pb.WorkerOp) -> pb.WorkerResult:
+    which = op.WhichOneof("op")
+    if which is None:
+        return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: no operation set"))
+    fn, field = OPS[which]
+    try:
+        out = fn(engine, getattr(op, which))
+    except SpecdError as exc:
+        return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=f"{which}: {exc.message}"))
+    except Exception as exc:
+        log.exception("engine call %s failed", which)
+        return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{which}: {type(exc).__name__}: {exc}"))
+    if field == "done":
+        return pb.WorkerResult(done=True)
+    return pb.WorkerResult(**{field: out})
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, runner: EngineRunner):
+        self.runner = runner
+
+    async def GetModelInfo(self, request, context):
+        return await _unary(self.runner, lambda e, r: model_info_pb(e.info()), request, context)
+
+    async def Decode(self, request, context):
+        return await _unary(self.runner, OPS["decode"][0], request, context)
+
+    async def SeqRm(self, request, context):
+        return await _unary(self.runner, OPS["seq_rm"][0], request, context)
+
+    async def SeqAdd(self, request, context):
+        return await _unary(self.runner, OPS["seq_add"][0], request, context)
+
+    async def SeqCp(self, request, context):
+        return await _unary(self.runner, OPS["seq_cp"][0], request, context)
+
+    async def CheckpointSave(self, request, context):
+        return await _unary(self.runner, OPS["checkpoint_save"][0], request, context)
+
+    async def CheckpointRestore(self, request, context):
+        return await _unary(self.runner, OPS["checkpoint_restore"][0], request, context)
+
+    async def CheckpointDrop(self, request, context):
+        return await _unary(self.runner, _drop, request, context)
+
+    async def GetSeqState(self, request, context):
+        return await _unary(self.runner, OPS["get_seq_state"][0], request, context)
+
+    async def Clear(self, request, context):
+        return await _unary(self.runner, _clear, request, context)
+
+    async def Tokenize(self, request, context):
+        def fn(e, r):
+            if not hasattr(e, "tokenize"):
+                raise Unimplemented("this worker has no vocabulary")
+            return pb.TokenizeResponse(tokens=e.tokenize(r.text, r.add_special, r.parse_special))
+
+        return await _unary(self.runner, fn, request, context)
+
+    async def Detokenize(self, request, context):
+        def fn(e, r):
+            if not hasattr(e, "detokenize"):
+                raise Unimplemented("this worker has no vocabulary")
+            return pb.DetokenizeResponse(text=e.detokenize(r.tokens))
+
+        return await _unary(self.runner, fn, request, context)
+
+    async def Execute(self, request_iterator, context):
+        async for op in request_iterator:
+            yield await self.runner.run(_execute_one, op)
+
+
+class TargetServicer(pb_grpc.TargetWorkerServicer):
+    def __init__(self, runner: EngineRunner):
+        self.runner = runner
+
+    async def Verify(self, request, context):
+        return await _unary(self.runner, _verify, request, context)
+
+
+class DraftServicer(pb_grpc.DraftWorkerServicer):
+    def __init__(self, runner: EngineRunner):
+        self.runner = runner
+
+    async def Propose(self, request, context):
+        return await _unary(self.runner, _propose, request, context)

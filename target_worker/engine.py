@@ -1,0 +1,37 @@
+"""The target's verification step: decode [id_last, d0..dk-1] in one batch and
+accept drafts while they match what the target samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.engine import SeqState
+from specd.errors import FailedPrecondition, InvalidArgument
+from specd.model_engine import ModelEngine
+from specd.sampling import Sampling, accept
+
+
+@dataclass
+class VerifyResult:
+    tokens: list[int]  # accepted drafts + the target's next token
+    pieces: list[bytes]
+    state: SeqState
+
+
+class TargetEngine(ModelEngine):
+    def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool) -> VerifyResult:
+        seq = self._check_seq(seq_id)
+        toks = self._check_tokens(tokens)
+        sampling.validate()
+        if sample_index < 0:
+            raise InvalidArgument(f"sample_index must be >= 0, got {sample_index}")
+        self.check_batch(len(toks))
+        self._check_append(seq, pos, len(toks))
+        n_draft = len(toks) - 1
+        if trim and n_draft > 0 and not self.can_rm_partial:
+            raise FailedPrecondition("trim needs partial removal, which this model lacks; verify with checkpoints")
+        logits = self.decode_logits(seq_id, pos, toks, len(toks))
+        out = accept(logits, toks[1:].tolist(), sampling, sample_index)
+        n_accepted = len(out) - 1
+        if trim and n_accepted < n_draft:
+            self.seq_rm(seq_id, pos + 1 + n_accepted, -1)
+        return VerifyResult(out, self.pieces(out), self.state(seq_id))
