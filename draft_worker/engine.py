@@ -111,9 +111,3 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         super().clear(seq_id)
         for i in range(self.n_seq) if seq_id == -1 else [seq_id]:
             self.proposers[i].reset()
-
-
-def make_draft_engine(model_path: str | None, ngram: str | None, config: LlamaConfig | None, **kw):
-    if ngram:
-        return NgramEngine(ngram, config.n_seq, config.n_ctx_seq, kw.get("cache_path"))
-    return DraftModelEngine(config)

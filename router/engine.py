@@ -100,6 +100,7 @@ class SeqPool:
     """Sequence ids shared by both workers; bounded wait queue."""
 
     def __init__(self, n_seq: int, max_queue: int):
+        self.capacity = n_seq
         self.free = list(range(n_seq - 1, -1, -1))
         self.max_queue = max_queue
         self.waiters: list[asyncio.Future] = []
@@ -160,22 +161,43 @@ class Router:
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:
+        """Learn both models; refuse a draft whose vocabulary differs. A draft
+        that does not answer is attached later by a watcher."""
         self.target_info = await self.target.model_info()
-        n_seq = self.target_info.n_seq
-        if self.draft is not None:
-            self.draft_info = await self.draft.model_info()
-            check_vocab(self.target_info, self.draft_info)
-            n_seq = min(n_seq, self.draft_info.n_seq)
-            self.draft_up = True
         self.eog = frozenset(self.target_info.eog_tokens)
         self.n_ctx = self.target_info.n_ctx_seq
-        if self.draft_info is not None:
-            self.n_ctx = min(self.n_ctx, self.draft_info.n_ctx_seq)
-        self.pool = SeqPool(n_seq, self.settings.max_queue)
-        # start from empty sequences whatever an earlier router left behind
-        await self.target.clear(-1)
+        self.pool = SeqPool(self.target_info.n_seq, self.settings.max_queue)
+        await self.target.clear(-1)  # start from empty sequences whatever came before
         if self.draft is not None:
-            await self.draft.clear(-1)
+            try:
+                await self._attach_draft()
+            except FailedPrecondition:
+                raise
+            except SpecdError as exc:
+                log.warning("draft worker unavailable, decoding target-only until it answers: %s", exc)
+                self._watcher = asyncio.get_running_loop().create_task(self._watch_draft())
+
+    async def _attach_draft(self) -> None:
+        info = await self.draft.model_info()
+        check_vocab(self.target_info, info)
+        await self.draft.clear(-1)
+        self.draft_info = info
+        self.n_ctx = min(self.target_info.n_ctx_seq, info.n_ctx_seq)
+        self.pool.capacity = min(self.pool.capacity, info.n_seq)
+        self.pool.free = [i for i in self.pool.free if i < info.n_seq]
+        self.draft_up = True
+
+    async def _watch_draft(self, interval: float = 2.0) -> None:
+        while not self.draft_up:
+            await asyncio.sleep(interval)
+            try:
+                await self._attach_draft()
+                log.info("draft worker attached")
+            except FailedPrecondition as exc:
+                log.error("draft worker refused: %s", exc)
+                return
+            except SpecdError:
+                pass
 
     @property
     def checkpoint_mode(self) -> bool:

@@ -11,7 +11,8 @@ thread.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -70,7 +71,6 @@ class EngineStats:
     decode_calls: int = 0
     decode_tokens: int = 0
     checkpoint_bytes: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class WorkerEngine:
@@ -87,6 +87,8 @@ class WorkerEngine:
         self.checkpoints: dict[int, _Checkpoint] = {}
         self._handles = itertools.count(1)
         self.stats = EngineStats()
+        # called with (batch size, seconds) after every llama_decode
+        self.on_decode: Callable[[int, float], None] | None = None
 
     # ------------------------------------------------------------ storage hooks
     can_rm_partial = True

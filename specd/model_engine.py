@@ -20,7 +20,6 @@ class ModelEngine(WorkerEngine):
         self.can_rm_partial = not self.model.is_recurrent
         self.can_shift = self.model.can_shift
         self._fingerprint = self.model.vocab_fingerprint()
-        self.decode_seconds: list[float] = []  # drained by the metrics exporter
 
     def info(self) -> ModelInfo:
         m = self.model
@@ -50,8 +49,8 @@ class ModelEngine(WorkerEngine):
             # a partially applied batch must not stay behind
             self.model.seq_rm(seq_id, pos, -1)
             raise ResourceExhausted(f"decode failed: {exc}") from exc
-        self.decode_seconds.append(time.perf_counter() - t0)
-        self.stats.batch_sizes.append(len(tokens))
+        if self.on_decode is not None:
+            self.on_decode(len(tokens), time.perf_counter() - t0)
         return out
 
     def _kv_decode(self, seq_id: int, pos: int, tokens: np.ndarray) -> None:

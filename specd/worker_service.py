@@ -14,7 +14,7 @@ from typing import Any, Callable
 import grpc
 
 from specd.engine import CheckpointInfo, ModelInfo, SeqState
-from specd.errors import SpecdError, Unimplemented
+from specd.errors import SpecdError, Unavailable, Unimplemented
 from specd.sampling import Sampling
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
@@ -89,11 +89,16 @@ OPS: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
 class EngineRunner:
     """Runs engine calls one at a time on a dedicated thread."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine=None):
+        self.engine = engine  # None while the model loads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
+    async def load(self, make_engine: Callable[[], Any]) -> None:
+        self.engine = await asyncio.get_running_loop().run_in_executor(self._pool, make_engine)
+
     async def run(self, fn: Callable[[Any, Any], Any], request) -> Any:
+        if self.engine is None:
+            raise Unavailable("the worker is still loading its model")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.engine, request)
 
     def shutdown(self) -> None:
@@ -179,7 +184,23 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Execute(self, request_iterator, context):
         async for op in request_iterator:
-            yield await self.runner.run(_execute_one, op)
+            try:
+                yield await self.runner.run(_execute_one, op)
+            except SpecdError as exc:
+                yield pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=exc.message))
+
+
+def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str) -> list[str]:
+    """Add the Worker service and the role's own service; return their names."""
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
+    names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
+    if role == "target":
+        pb_grpc.add_TargetWorkerServicer_to_server(TargetServicer(runner), server)
+        names.append(pb.DESCRIPTOR.services_by_name["TargetWorker"].full_name)
+    else:
+        pb_grpc.add_DraftWorkerServicer_to_server(DraftServicer(runner), server)
+        names.append(pb.DESCRIPTOR.services_by_name["DraftWorker"].full_name)
+    return names
 
 
 class TargetServicer(pb_grpc.TargetWorkerServicer):
@@ -196,3 +217,25 @@ class DraftServicer(pb_grpc.DraftWorkerServicer):
 
     async def Propose(self, request, context):
         return await _unary(self.runner, _propose, request, context)
+
+
+async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
+    """Listen (NOT_SERVING), load the engine, serve until SIGTERM."""
+    from specd.metrics import WorkerPrometheus
+    from specd.server import run_until_stopped, start_metrics, start_server
+
+    runner = EngineRunner()
+    life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role), cfg.port_file)
+    metrics = WorkerPrometheus()
+    start_metrics(cfg.metrics_port, metrics.registry)
+    life.install_signal_handlers()
+    loader = asyncio.ensure_future(runner.load(make_engine))
+    stop = asyncio.ensure_future(life.stopping.wait())
+    await asyncio.wait([loader, stop], return_when=asyncio.FIRST_COMPLETED)
+    if loader.done():
+        loader.result()  # a model that cannot load ends the process with its error
+        metrics.attach(runner.engine)
+        await life.set_serving(True)
+        log.info("%s worker ready: %s", cfg.role, runner.engine.info().description)
+    await run_until_stopped(life, cfg.grace_seconds, on_stop=lambda: asyncio.sleep(0))
+    runner.shutdown()

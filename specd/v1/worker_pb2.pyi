@@ -560,7 +560,8 @@ class SamplingParams(_message.Message):
     seed: _builtins.int
     """Seed of the request's random stream. The i-th generated token uses the
     i-th number of that stream, so a seed reproduces its output exactly,
-    with or without speculation.
+    with or without speculation. Unset in a GenerateRequest: the router
+    picks one. Always set by the router in a VerifyRequest.
     """
     def __init__(
         self,
@@ -569,13 +570,15 @@ class SamplingParams(_message.Message):
         top_k: _builtins.int = ...,
         top_p: _builtins.float = ...,
         min_p: _builtins.float = ...,
-        seed: _builtins.int = ...,
+        seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_p", b"min_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "min_p", b"min_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 

@@ -1,0 +1,24 @@
+"""The draft worker process: a draft model or an n-gram drafter behind gRPC."""
+from __future__ import annotations
+
+from specd.config import WorkerConfig
+from specd.worker_service import serve_worker
+
+
+def make_engine(cfg: WorkerConfig):
+    if cfg.ngram:
+        from draft_worker.engine import NgramEngine
+
+        return NgramEngine(cfg.ngram, cfg.n_seq, cfg.n_ctx, cfg.ngram_cache or None)
+    from draft_worker.engine import DraftModelEngine
+    from specd.llama import LlamaConfig
+
+    return DraftModelEngine(
+        LlamaConfig(cfg.model, n_ctx_seq=cfg.n_ctx, n_seq=cfg.n_seq, n_threads=cfg.threads,
+                    n_batch=cfg.n_batch, n_gpu_layers=cfg.n_gpu_layers),
+        max_checkpoint_bytes=cfg.max_checkpoint_bytes,
+    )
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    await serve_worker(cfg, lambda: make_engine(cfg))

@@ -1,0 +1,76 @@
+"""The router process: connects to its workers, then serves specd.v1.Router."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.clients import GrpcWorker
+from router.engine import Router, RouterSettings
+from router.service import RouterServicer
+from specd.config import RouterConfig
+from specd.errors import FailedPrecondition, SpecdError
+from specd.metrics import RouterPrometheus
+from specd.server import run_until_stopped, start_metrics, start_server
+from specd.v1 import router_pb2 as rpb
+from specd.v1 import router_pb2_grpc as rpb_grpc
+
+log = logging.getLogger("specd.router")
+
+
+def settings_of(cfg: RouterConfig) -> RouterSettings:
+    return RouterSettings(n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min, checkpoint_mode=cfg.checkpoint_mode,
+                          check_alignment=cfg.check_alignment, max_queue=cfg.max_queue)
+
+
+async def connect(router: Router, stopping: asyncio.Event) -> None:
+    """Retry until the target (and the draft, when configured) answer."""
+    delay = 0.2
+    while not stopping.is_set():
+        try:
+            await router.start()
+            return
+        except FailedPrecondition:
+            raise
+        except SpecdError as exc:
+            log.info("waiting for workers: %s", exc)
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 5.0)
+
+
+async def serve(cfg: RouterConfig) -> None:
+    if not cfg.target:
+        raise SystemExit("specd router: --target HOST:PORT is required")
+    target = GrpcWorker(cfg.target, "target", timeout=cfg.worker_timeout)
+    draft = GrpcWorker(cfg.draft, "draft", timeout=cfg.worker_timeout) if cfg.draft else None
+    router = Router(target, draft, settings_of(cfg))
+    metrics = RouterPrometheus()
+    router.step_observers.append(metrics.observe_step)
+    servicer = RouterServicer(router, metrics)
+
+    def register(server):
+        rpb_grpc.add_RouterServicer_to_server(servicer, server)
+        return [rpb.DESCRIPTOR.services_by_name["Router"].full_name]
+
+    life = await start_server(cfg.host, cfg.port, register, cfg.port_file)
+    start_metrics(cfg.metrics_port, metrics.registry)
+    life.install_signal_handlers()
+    try:
+        await connect(router, life.stopping)
+    except FailedPrecondition as exc:
+        log.error("refusing to start: %s", exc)
+        await life.stop(0)
+        raise SystemExit(f"specd router: {exc}")
+    if not life.stopping.is_set():
+        metrics.draft_up.set(1 if router.draft_up else 0)
+        metrics.sessions_running.set_function(lambda: router.pool.n_running)
+        metrics.sessions_queued.set_function(lambda: len(router.pool.waiters))
+        servicer.ready = True
+        await life.set_serving(True)
+        log.info("router ready: target %s%s", cfg.target, f", draft {cfg.draft}" if cfg.draft else " (no draft)")
+
+    async def close():
+        await target.close()
+        if draft is not None:
+            await draft.close()
+
+    await run_until_stopped(life, cfg.grace_seconds, close)

@@ -1,0 +1,138 @@
+"""The public gRPC API (specd.v1.Router): protobuf in, Router call, protobuf out."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+
+import grpc
+
+from router.engine import GenParams, Result, Router
+from router.text import TextAssembler
+from specd.errors import InvalidArgument, SpecdError, Unavailable
+from specd.sampling import Sampling
+from specd.v1 import router_pb2 as rpb
+from specd.v1 import router_pb2_grpc as rpb_grpc
+from specd.v1 import worker_pb2 as wpb
+from specd.worker_service import model_info_pb
+
+log = logging.getLogger("specd.router")
+
+REASONS = {"eog": rpb.FINISH_REASON_EOG, "length": rpb.FINISH_REASON_LENGTH, "stop": rpb.FINISH_REASON_STOP}
+
+
+def _sampling(s: wpb.SamplingParams) -> Sampling:
+    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
+    # proto3 zero means unset: top_p 0 -> 1.0 (off)
+    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p, seed=seed)
+
+
+def finish_pb(res: Result) -> rpb.Finish:
+    return rpb.Finish(
+        reason=REASONS.get(res.reason, rpb.FINISH_REASON_UNSPECIFIED),
+        usage=rpb.Usage(prompt_tokens=res.n_prompt, generated_tokens=res.n_generated,
+                        drafted_tokens=res.n_drafted, accepted_tokens=res.n_accepted,
+                        steps=res.n_steps, context_shifts=res.n_shifts),
+        timing=rpb.Timing(prompt_seconds=res.prompt_seconds, generation_seconds=res.generation_seconds),
+        speculative=res.speculative,
+    )
+
+
+class RouterServicer(rpb_grpc.RouterServicer):
+    def __init__(self, router: Router, metrics=None):
+        self.router = router
+        self.metrics = metrics
+        self.ready = False
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise Unavailable("the router is waiting for its target worker")
+
+    async def _params(self, r: rpb.GenerateRequest) -> GenParams:
+        which = r.WhichOneof("input")
+        if which is None:
+            raise InvalidArgument("prompt: set `prompt` (text) or `prompt_tokens`")
+        if which == "prompt":
+            if not r.prompt:
+                raise InvalidArgument("prompt must not be empty")
+            add_special = r.add_special if r.HasField("add_special") else True
+            tokens = await self.router.target.tokenize(r.prompt, add_special, True)
+        else:
+            tokens = list(r.prompt_tokens.ids)
+            if not tokens:
+                raise InvalidArgument("prompt_tokens must not be empty")
+        spec = r.speculative
+        return GenParams(
+            prompt=tokens,
+            max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
+            sampling=_sampling(r.sampling),
+            speculative=spec.enabled if spec.HasField("enabled") else None,
+            n_max=spec.n_max if spec.HasField("n_max") else None,
+            n_min=spec.n_min if spec.HasField("n_min") else None,
+            p_min=spec.p_min if spec.HasField("p_min") else None,
+            context_shift=r.context_shift,
+            n_keep=r.n_keep,
+        )
+
+    async def Generate(self, request, context):
+        t0 = time.perf_counter()
+        outcome = "ok"
+        res = Result()
+        try:
+            self._check_ready()
+            params = await self._params(request)
+            text = TextAssembler(list(request.stop))
+            last = None
+            async with contextlib.aclosing(self.router.generate(params, res)) as steps:
+                async for step in steps:
+                    now = time.perf_counter()
+                    if self.metrics is not None:
+                        if last is None:
+                            self.metrics.ttft.observe(now - t0)
+                        else:
+                            for _ in step.tokens:
+                                self.metrics.itl.observe((now - last) / len(step.tokens))
+                    last = now
+                    delta = text.feed(b"".join(step.pieces))
+                    yield rpb.GenerateResponse(text=delta, token_ids=step.tokens)
+                    if text.stopped:
+                        res.reason = "stop"
+                        break
+            yield rpb.GenerateResponse(text=text.flush(), finish=finish_pb(res))
+        except SpecdError as exc:
+            outcome = exc.code.lower()
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        except BaseException as exc:
+            outcome = "cancelled" if isinstance(exc, GeneratorExit) or "Cancel" in type(exc).__name__ else "error"
+            if outcome == "error":
+                log.exception("Generate failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.requests.labels(outcome=outcome).inc()
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+                self.metrics.prompt_tokens.inc(res.n_prompt)
+                self.metrics.generation_tokens.inc(res.n_generated)
+
+    async def Tokenize(self, request, context):
+        try:
+            self._check_ready()
+            tokens = await self.router.target.tokenize(request.text, request.add_special, request.parse_special)
+        except SpecdError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        return wpb.TokenizeResponse(tokens=tokens)
+
+    async def GetInfo(self, request, context):
+        try:
+            self._check_ready()
+        except SpecdError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        r, s = self.router, self.router.settings
+        info = rpb.RouterInfo(target=model_info_pb(r.target_info), default_n_max=s.n_max, default_p_min=s.p_min,
+                              checkpoint_mode=r.checkpoint_mode, check_alignment=s.check_alignment,
+                              draft_up=r.draft_up)
+        if r.draft_info is not None:
+            info.draft.CopyFrom(model_info_pb(r.draft_info))
+        return info

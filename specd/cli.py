@@ -1,0 +1,207 @@
+"""`specd`: run the workers and the router, prepare models, generate, demo."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+from specd import config as C
+
+
+def _worker(role: str, args: argparse.Namespace) -> int:
+    from specd.server import setup_logging
+
+    setup_logging(args.log_level)
+    cfg = C.build(C.WorkerConfig, args, role=role)
+    if not cfg.model and not cfg.ngram:
+        from specd.models import default_models
+
+        cfg.model = default_models()[role]
+    if role == "target":
+        from target_worker.server import serve
+    else:
+        from draft_worker.server import serve
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.server import serve
+    from specd.server import setup_logging
+
+    setup_logging(args.log_level)
+    asyncio.run(serve(C.build(C.RouterConfig, args)))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from specd.models import default_models
+
+    paths = default_models(quiet=args.json)
+    if args.json:
+        print(json.dumps(paths))
+    else:
+        for role, path in paths.items():
+            print(f"{role}: {path}")
+    return 0
+
+
+def _cluster_spec(args: argparse.Namespace, router_port: int):
+    from specd.launcher import ClusterSpec, default_threads
+    from specd.models import default_models
+
+    paths = default_models(quiet=True)
+    t_threads, d_threads = default_threads()
+    return ClusterSpec(
+        target_model=args.target_model or paths["target"],
+        draft_model="" if args.ngram else (args.draft_model or paths["draft"]),
+        ngram=args.ngram,
+        target_threads=args.target_threads or t_threads,
+        draft_threads=args.draft_threads or d_threads,
+        n_ctx=args.n_ctx,
+        n_seq=args.n_seq,
+        router_port=router_port,
+    )
+
+
+def _up(args: argparse.Namespace) -> int:
+    from specd.launcher import Cluster
+
+    print("[specd up] preparing models and starting target, draft and router ...", file=sys.stderr, flush=True)
+    cluster = Cluster(_cluster_spec(args, args.port)).start()
+    print(f"[specd up] router listening on {cluster.router_address} (Ctrl-C to stop)", flush=True)
+    stop = {"now": False}
+
+    def handler(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        while not stop["now"]:
+            for p in cluster.procs.values():
+                p.check_alive()
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    print("[specd up] stopped", file=sys.stderr)
+    return 0
+
+
+def _print_stats(c, label: str = "") -> None:
+    acc = f", acceptance {c.acceptance:.0%} ({c.n_accepted}/{c.n_drafted})" if c.n_drafted else ""
+    print(f"[{label or 'stats'}] {c.n_generated} tokens in {c.generation_seconds:.2f}s = {c.tokens_per_second:.1f} tok/s"
+          f"{acc}, prompt {c.n_prompt} tokens, finish: {c.finish_reason}", file=sys.stderr, flush=True)
+
+
+def _gen_kwargs(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                speculative=False if args.no_spec else None, n_draft=args.n_draft)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specd.client import RouterClient
+
+    with RouterClient(args.router) as client:
+        try:
+            if args.json:
+                c = client.generate(args.prompt, **_gen_kwargs(args))
+                print(json.dumps(c.as_json()))
+            else:
+                c = client.generate(args.prompt, on_text=lambda t: print(t, end="", flush=True), **_gen_kwargs(args))
+                print()
+                _print_stats(c)
+        except grpc.RpcError as exc:
+            print(f"specd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from specd.client import RouterClient
+    from specd.launcher import Cluster
+
+    print("[specd demo] preparing the default models and starting target, draft and router ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with Cluster(_cluster_spec(args, 0)) as cluster:
+        print(f"[specd demo] all three up in {time.perf_counter() - t0:.1f}s; router at {cluster.router_address}",
+              file=sys.stderr, flush=True)
+        with RouterClient(cluster.router_address) as client:
+            print(f"\n{args.prompt}", end="", flush=True)
+            spec = client.generate(args.prompt, on_text=lambda t: print(t, end="", flush=True), **_gen_kwargs(args))
+            print("\n", flush=True)
+            _print_stats(spec, "speculative" if spec.speculative else "target-only")
+            if not args.no_spec and args.compare:
+                kw = _gen_kwargs(args) | {"speculative": False}
+                base = client.generate(args.prompt, **kw)
+                _print_stats(base, "target-only")
+                same = "identical" if base.tokens == spec.tokens else "DIFFERENT"
+                print(f"[specd demo] speculative output is {same} to target-only "
+                      f"({spec.tokens_per_second / max(base.tokens_per_second, 1e-9):.2f}x tokens/s)", file=sys.stderr)
+    print("[specd demo] shut down cleanly", file=sys.stderr)
+    return 0
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="", help="target GGUF (default: the default target)")
+    p.add_argument("--draft-model", default="", help="draft GGUF (default: the default draft)")
+    p.add_argument("--ngram", default="", help="use a model-free drafter instead of a draft model")
+    p.add_argument("--target-threads", type=int, default=0, help="default: cores - 1")
+    p.add_argument("--draft-threads", type=int, default=0, help="default: 1")
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--n-seq", type=int, default=4)
+
+
+def _add_gen_flags(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-spec", action="store_true", help="target-only decoding")
+    p.add_argument("--n-draft", type=int, default=None, help="draft tokens per step (default: the router's)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specd", description="Distributed speculative decoding on llama.cpp")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for role in ("target", "draft"):
+        p = sub.add_parser(role, help=f"run the {role} worker")
+        C.add_worker_flags(p, role)
+        p.set_defaults(fn=lambda a, r=role: _worker(r, a))
+    p = sub.add_parser("router", help="run the router (public API)")
+    C.add_router_flags(p)
+    p.set_defaults(fn=_router)
+    p = sub.add_parser("models", help="prepare the default models and print their paths")
+    p.add_argument("--json", action="store_true", help='print {"target": PATH, "draft": PATH}')
+    p.set_defaults(fn=_models)
+    p = sub.add_parser("up", help="run target, draft and router locally on the default models")
+    _add_cluster_flags(p)
+    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.set_defaults(fn=_up)
+    p = sub.add_parser("demo", help="up + generate + clean shutdown")
+    _add_cluster_flags(p)
+    _add_gen_flags(p, 96)
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run target-only and compare")
+    p.set_defaults(fn=_demo)
+    p = sub.add_parser("generate", help="stream a completion from a router")
+    p.add_argument("--router", default=os.environ.get("SPECD_ROUTER", "127.0.0.1:50051"), help="HOST:PORT [env SPECD_ROUTER]")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_gen_flags(p, None)
+    p.set_defaults(fn=_generate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""One config object per process, built from flags with env-var fallback.
+
+Every flag `--some-flag` falls back to `SPECD_SOME_FLAG`, then to its default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+
+def env_name(flag: str) -> str:
+    return "SPECD_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _bool(v: str | bool) -> bool:
+    if isinstance(v, bool):
+        return v
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+def add(parser: argparse.ArgumentParser, flag: str, type=str, default=None, help: str = "", **kw) -> None:
+    """Add `flag` whose default comes from its environment variable."""
+    env = env_name(flag)
+    raw = os.environ.get(env)
+    if type is bool:
+        value = _bool(raw) if raw is not None else bool(default)
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [env {env}]", **kw)
+        return
+    value = type(raw) if raw not in (None, "") else default
+    parser.add_argument(flag, type=type, default=value, help=f"{help} [env {env}] (default: {default})", **kw)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    port_file: str = ""
+    grace_seconds: float = 30.0
+    log_level: str = "INFO"
+
+
+@dataclass
+class WorkerConfig(ServerConfig):
+    role: str = "target"  # "target" | "draft"
+    model: str = ""
+    ngram: str = ""
+    ngram_cache: str = ""
+    threads: int = 1
+    n_ctx: int = 2048
+    n_seq: int = 4
+    n_batch: int = 512
+    n_gpu_layers: int = 0
+    max_checkpoint_bytes: int = 1 << 30
+
+
+@dataclass
+class RouterConfig(ServerConfig):
+    target: str = ""
+    draft: str = ""
+    n_max: int = 4
+    n_min: int = 0
+    p_min: float = 0.0
+    checkpoint_mode: bool = False
+    check_alignment: bool = False
+    max_queue: int = 64
+    worker_timeout: float = 60.0
+
+
+def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
+    add(p, "--host", str, "127.0.0.1", "address to listen on")
+    add(p, "--port", int, port, "gRPC port (0 picks a free one)")
+    add(p, "--metrics-port", int, 0, "Prometheus /metrics HTTP port (0: off)")
+    add(p, "--port-file", str, "", "write the bound gRPC port to this file once listening")
+    add(p, "--grace-seconds", float, 30.0, "on SIGTERM, time given to in-flight calls")
+    add(p, "--log-level", str, "INFO", "logging level")
+
+
+def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
+    add_server_flags(p, 50061 if role == "target" else 50062)
+    add(p, "--model", str, "", "GGUF model path (default: the default model of this role)")
+    if role == "draft":
+        add(p, "--ngram", str, "", "model-free drafter(s): simple|map-k|map-k4v|mod|cache, comma-separated chain")
+        add(p, "--ngram-cache", str, "", "file the `cache` drafter loads its static n-gram cache from")
+    add(p, "--threads", int, 1, "threads for decoding; set it explicitly when processes share cores")
+    add(p, "--n-ctx", int, 2048, "context size of one sequence")
+    add(p, "--n-seq", int, 4, "sequences hosted at once")
+    add(p, "--n-batch", int, 512, "largest batch decoded at once")
+    add(p, "--n-gpu-layers", int, 0, "layers offloaded to the GPU (CUDA builds)")
+
+
+def add_router_flags(p: argparse.ArgumentParser) -> None:
+    add_server_flags(p, 50051)
+    add(p, "--target", str, "", "target worker HOST:PORT")
+    add(p, "--draft", str, "", "draft worker HOST:PORT (none: target-only)")
+    add(p, "--n-max", int, 4, "default draft tokens per step")
+    add(p, "--n-min", int, 0, "default minimum draft tokens worth verifying")
+    add(p, "--p-min", float, 0.0, "default draft probability below which drafting stops")
+    add(p, "--checkpoint-mode", bool, False, "use checkpoints instead of partial KV removal (forced)")
+    add(p, "--check-alignment", bool, False, "compare both workers' sequences with the history after every step")
+    add(p, "--max-queue", int, 64, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
+    add(p, "--worker-timeout", float, 60.0, "deadline of one worker call in seconds")
+
+
+def build(cls, args: argparse.Namespace, **extra):
+    names = {f.name for f in fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(extra)
+    return cls(**values)

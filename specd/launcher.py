@@ -1,0 +1,151 @@
+"""Start target, draft and router as local processes (`specd up`, `specd demo`,
+end-to-end tests). Ports are picked by the OS (port 0) and read back from
+port files; readiness is the router's gRPC health saying SERVING."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class ClusterSpec:
+    target_model: str
+    draft_model: str = ""
+    ngram: str = ""
+    target_threads: int = 1
+    draft_threads: int = 1
+    n_ctx: int = 2048
+    n_seq: int = 4
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    router_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    draft_args: list[str] = field(default_factory=list)
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], workdir: pathlib.Path):
+        self.name = name
+        self.port_file = workdir / f"{name}.port"
+        self.log_path = workdir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "specd", *args, "--port-file", str(self.port_file)]
+        self.popen = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise ProcessDied(f"{self.name} exited with code {self.popen.returncode}:\n{self.log_tail()}")
+
+    def wait_port(self, deadline: float) -> int:
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if self.port_file.exists():
+                return int(self.port_file.read_text())
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not listen in time:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return self.popen.returncode
+
+
+def wait_serving(address: str, deadline: float, procs: list[Proc]) -> None:
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            for p in procs:
+                p.check_alive()
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} did not become SERVING in time")
+
+
+class Cluster:
+    """Target, optional draft and router as subprocesses."""
+
+    def __init__(self, spec: ClusterSpec, workdir: str | None = None):
+        self.spec = spec
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="specd-")
+        self.workdir = pathlib.Path(workdir or self._tmp.name)
+        self.procs: dict[str, Proc] = {}
+        self.router_address = ""
+
+    def _worker_args(self, role: str, threads: int) -> list[str]:
+        s = self.spec
+        return [role, "--host", s.host, "--port", "0", "--threads", str(threads), "--n-ctx", str(s.n_ctx),
+                "--n-seq", str(s.n_seq), *s.worker_args]
+
+    def start(self, timeout: float = 180.0) -> "Cluster":
+        s = self.spec
+        deadline = time.monotonic() + timeout
+        try:
+            self.procs["target"] = Proc("target", [*self._worker_args("target", s.target_threads), "--model", s.target_model], self.workdir)
+            draft_addr = ""
+            if s.draft_model or s.ngram:
+                src = ["--ngram", s.ngram] if s.ngram else ["--model", s.draft_model]
+                self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *src, *s.draft_args], self.workdir)
+                draft_addr = f"{s.host}:{self.procs['draft'].wait_port(deadline)}"
+            target_addr = f"{s.host}:{self.procs['target'].wait_port(deadline)}"
+            args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr, *s.router_args]
+            if draft_addr:
+                args += ["--draft", draft_addr]
+            self.procs["router"] = Proc("router", args, self.workdir)
+            self.router_address = f"{s.host}:{self.procs['router'].wait_port(deadline)}"
+            wait_serving(self.router_address, deadline, list(self.procs.values()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> dict[str, int]:
+        codes = {}
+        for name in ("router", "draft", "target"):
+            if name in self.procs:
+                codes[name] = self.procs[name].stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return codes
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def default_threads() -> tuple[int, int]:
+    """Target and draft threads for one machine: the draft gets one core."""
+    n = os.cpu_count() or 2
+    return max(1, n - 1), 1

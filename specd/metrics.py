@@ -1,0 +1,131 @@
+"""Metrics: a stats dataclass, a logger and Prometheus classes.
+
+Names follow vLLM / llama.cpp (`specd_spec_decode_num_drafts_total`,
+`specd_spec_decode_num_accepted_tokens_per_pos_total{position}`, ...). Each
+process owns its CollectorRegistry; nothing is registered at import time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("specd.metrics")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Drafting counters of one interval."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos.append(0)
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
+class SpecDecodingLogging:
+    """Logs acceptance every `interval` seconds (vLLM's SpecDecodingLogging)."""
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self.stats = SpecDecodingStats()
+        self.last = time.monotonic()
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.stats.observe_draft(num_draft_tokens, num_accepted_tokens)
+        if time.monotonic() - self.last >= self.interval:
+            self.log()
+
+    def log(self) -> None:
+        s = self.stats
+        if s.num_drafts:
+            rate = s.num_accepted_tokens / s.num_draft_tokens
+            mean_len = 1 + s.num_accepted_tokens / s.num_drafts
+            per_pos = ", ".join(f"{a / s.num_drafts:.2f}" for a in s.num_accepted_tokens_per_pos)
+            log.info("spec decoding: drafts %d, draft tokens %d, accepted %d, acceptance %.3f, mean acceptance "
+                     "length %.2f, per-position acceptance [%s]", s.num_drafts, s.num_draft_tokens,
+                     s.num_accepted_tokens, rate, mean_len, per_pos)
+        self.stats = SpecDecodingStats()
+        self.last = time.monotonic()
+
+
+class RouterPrometheus:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("specd_requests", "Generate requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("specd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specd_inter_token_latency_seconds", "Time between streamed tokens (per token)", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)
+        self.num_drafts = Counter("specd_spec_decode_num_drafts", "Speculative steps with at least one draft token", registry=r)
+        self.num_draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted = Counter("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft", ["position"], registry=r)
+        self.rpc_latency = Histogram("specd_worker_rpc_latency_seconds", "Worker call latency seen by the router", ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.divergences = Counter("specd_alignment_divergences", "Worker sequences found out of step with the router's history", ["worker"], registry=r)
+        self.sessions_running = Gauge("specd_sessions_running", "Sessions holding a sequence", registry=r)
+        self.sessions_queued = Gauge("specd_sessions_queued", "Sessions waiting for a sequence", registry=r)
+        self.draft_up = Gauge("specd_draft_worker_up", "1 when the draft worker is in use", registry=r)
+        self.logging = SpecDecodingLogging()
+
+    def observe_step(self, stats) -> None:
+        if stats.n_drafted:
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(stats.n_drafted)
+            self.num_accepted.inc(stats.n_accepted)
+            for i in range(stats.n_accepted):
+                self.accepted_per_pos.labels(position=str(i)).inc()
+            for i in range(stats.n_accepted, stats.n_drafted):
+                self.accepted_per_pos.labels(position=str(i)).inc(0)  # the series exists from the start
+            self.rpc_latency.labels(worker="draft", method="propose").observe(stats.draft_seconds)
+            self.logging.observe(stats.n_drafted, stats.n_accepted)
+        self.rpc_latency.labels(worker="target", method="verify").observe(stats.verify_seconds)
+
+
+class WorkerPrometheus:
+    """Decode histograms fed by the engine; KV gauges read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.batch = Histogram("specd_worker_decode_batch_size", "Tokens per llama_decode", buckets=BATCH_BUCKETS, registry=r)
+        self.latency = Histogram("specd_worker_decode_latency_seconds", "llama_decode latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.engine = None
+        r.register(self)
+
+    def attach(self, engine) -> None:
+        self.engine = engine
+        engine.on_decode = self.on_decode
+
+    def on_decode(self, n_tokens: int, seconds: float) -> None:
+        self.batch.observe(n_tokens)
+        self.latency.observe(seconds)
+
+    def collect(self):
+        e = self.engine
+        if e is None:
+            return
+        yield GaugeMetricFamily("specd_worker_sequences_in_use", "Sequences holding tokens", value=e.sequences_in_use())
+        yield GaugeMetricFamily("specd_worker_kv_cells_used", "KV cells (tokens) held", value=e.cells_used())
+        yield GaugeMetricFamily("specd_worker_kv_cells_total", "KV cells available", value=e.n_ctx_seq * e.n_seq)
+        yield GaugeMetricFamily("specd_worker_checkpoint_bytes", "Bytes held in checkpoints", value=e.stats.checkpoint_bytes)
+
+    def describe(self):
+        return []

@@ -1,0 +1,104 @@
+"""gRPC server lifecycle shared by the router and both workers (grpc.aio).
+
+Listen first and say NOT_SERVING on the standard health service while the
+model loads; SERVING once ready; on SIGTERM say NOT_SERVING again, give
+in-flight calls `grace_seconds`, then stop. Server reflection is on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("specd.server")
+
+MAX_MESSAGE = 64 << 20
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Lifecycle:
+    """A started server: its port, health and stop signal."""
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer, services: list[str]):
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.services = services
+        self.stopping = asyncio.Event()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ["", *self.services]:
+            await self.health.set(name, status)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stopping.set)
+            except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread
+                pass
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], list[str]],
+                       port_file: str = "", interceptors=None) -> Lifecycle:
+    """Create, register, listen, start; health NOT_SERVING until set_serving(True)."""
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+                 ("grpc.so_reuseport", 0)],
+    )
+    services = register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    life = Lifecycle(server, bound, health_servicer, services)
+    await life.set_serving(False)
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(bound))
+        os.replace(tmp, port_file)
+    log.info("listening on %s:%d", host, bound)
+    return life
+
+
+def start_metrics(port: int, registry) -> None:
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, registry=registry)
+        log.info("metrics on :%d/metrics", port)
+
+
+async def run_until_stopped(life: Lifecycle, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    life.install_signal_handlers()
+    await life.stopping.wait()
+    log.info("shutting down (grace %.1fs)", grace)
+    await life.stop(grace)
+    if on_stop is not None:
+        await on_stop()
+    log.info("stopped")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
