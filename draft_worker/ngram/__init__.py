@@ -1,0 +1,104 @@
+"""Model-free n-gram draft proposers, after llama.cpp's `--spec-type ngram-*` drafters.
+
+Names (PROPOSER_NAMES) and the llama.cpp type each mirrors:
+  simple  -> ngram-simple   (simple.SimpleProposer)
+  map-k   -> ngram-map-k    (map_k.NgramMapProposer, key_only=True)
+  map-k4v -> ngram-map-k4v  (map_k.NgramMapProposer, key_only=False)
+  mod     -> ngram-mod      (mod.ModProposer)
+  cache   -> ngram-cache    (cache.CacheProposer)
+A spec such as "map-k,cache" builds a ChainProposer: the first member with a
+non-empty draft wins, in the order given (llama.cpp uses a fixed priority order
+simple, map-k, map-k4v, mod, cache whatever order the names come in).
+"""
+from __future__ import annotations
+
+import os
+from typing import Protocol, Sequence, runtime_checkable
+
+from ._history import as_array
+from .cache import CacheProposer
+from .map_k import NgramMapProposer
+from .mod import ModProposer, ModTable
+from .simple import SimpleProposer
+
+PROPOSER_NAMES: tuple[str, ...] = ("simple", "map-k", "map-k4v", "mod", "cache")
+
+__all__ = [
+    "PROPOSER_NAMES", "Proposer", "ChainProposer", "make_proposer",
+    "SimpleProposer", "NgramMapProposer", "ModProposer", "ModTable", "CacheProposer",
+]
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
+        """history = every token id the sequence holds, oldest first, ending with id_last.
+        Return at most n_max proposed token ids (may be empty). Must not mutate history."""
+        ...
+
+    def observe(self, history: Sequence[int]) -> None:
+        """Called after the router accepted tokens (history as above); learners update here."""
+        ...
+
+    def reset(self) -> None:
+        """Forget per-sequence learned state (a new sequence starts)."""
+        ...
+
+
+class ChainProposer:
+    """Proposes with the first member that returns a non-empty draft; observe/reset go to all."""
+
+    def __init__(self, members: Sequence[Proposer]) -> None:
+        if not members:
+            raise ValueError("a proposer chain needs at least one member")
+        self.members = tuple(members)
+        self.name = ",".join(m.name for m in self.members)
+
+    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
+        if n_max <= 0:
+            return []
+        arr = as_array(history)  # convert once; members copy it again cheaply
+        for member in self.members:
+            draft = member.propose(arr, n_max)
+            if len(draft):
+                return [int(t) for t in draft[:n_max]]
+        return []
+
+    def observe(self, history: Sequence[int]) -> None:
+        arr = as_array(history)
+        for member in self.members:
+            member.observe(arr)
+
+    def reset(self) -> None:
+        for member in self.members:
+            member.reset()
+
+
+def _build(name: str, cache_path: str | os.PathLike | None) -> Proposer:
+    if name == "simple":
+        return SimpleProposer()
+    if name in ("map-k", "map-k4v"):
+        return NgramMapProposer(key_only=name == "map-k")
+    if name == "mod":
+        return ModProposer()
+    return CacheProposer(cache_path=cache_path)
+
+
+def make_proposer(spec: str, *, cache_path: str | os.PathLike | None = None) -> Proposer:
+    """Build the proposer for `spec`: one name or a comma-separated chain of PROPOSER_NAMES,
+    each with llama.cpp's default parameters. cache_path is loaded by the `cache` member
+    (ignored when there is none). Unknown, empty or repeated names raise ValueError."""
+    if not isinstance(spec, str):
+        raise ValueError(f"proposer spec must be a string, got {type(spec).__name__}")
+    names = [part.strip() for part in spec.split(",")]
+    allowed = ", ".join(PROPOSER_NAMES)
+    for name in names:
+        if name not in PROPOSER_NAMES:
+            raise ValueError(f"unknown n-gram proposer {name!r} in spec {spec!r}; allowed names: {allowed}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"n-gram proposer {repeated[0]!r} appears twice in spec {spec!r}; allowed names: {allowed}")
+    members = [_build(name, cache_path) for name in names]
+    return members[0] if len(members) == 1 else ChainProposer(members)

@@ -1,0 +1,49 @@
+"""Shared fixtures: the default models and local clusters of real processes."""
+from __future__ import annotations
+
+import pytest
+
+from specd.launcher import Cluster, ClusterSpec
+from specd.models import default_models
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea,",
+    "List three benefits of regular exercise:\n1.",
+    "<|im_start|>user\nSummarise: \"The quick brown fox jumps over the lazy dog.\"<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\n\n# compute the mean of an array\n",
+    "Q: What is 12 times 12?\nA:",
+    "The history of the printing press begins",
+    "{\"name\": \"Alice\", \"age\": 30, \"city\": ",
+]
+
+
+@pytest.fixture(scope="session")
+def models() -> dict[str, str]:
+    return default_models(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def cluster_factory(models):
+    """Start clusters of real processes; all are stopped at the end of the session."""
+    started: list[Cluster] = []
+
+    def make(router_args=(), **kw) -> Cluster:
+        spec = ClusterSpec(target_model=kw.pop("target_model", models["target"]),
+                           draft_model=kw.pop("draft_model", models["draft"]),
+                           router_args=["--check-alignment", *router_args], **kw)
+        c = Cluster(spec).start()
+        started.append(c)
+        return c
+
+    yield make
+    for c in started:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory):
+    """Target + draft + router with the alignment check on."""
+    return cluster_factory(n_ctx=1024, n_seq=2)
