@@ -42,6 +42,7 @@ class RouterSettings:
     checkpoint_mode: bool = False  # force checkpoints even where partial removal works
     check_alignment: bool = False
     max_queue: int = 64
+    draft_wait: float = 60.0  # seconds to wait for a loading draft at start before serving target-only
 
 
 @dataclass
@@ -169,13 +170,19 @@ class Router:
         self.pool = SeqPool(self.target_info.n_seq, self.settings.max_queue)
         await self.target.clear(-1)  # start from empty sequences whatever came before
         if self.draft is not None:
-            try:
-                await self._attach_draft()
-            except FailedPrecondition:
-                raise
-            except SpecdError as exc:
-                log.warning("draft worker unavailable, decoding target-only until it answers: %s", exc)
-                self._watcher = asyncio.get_running_loop().create_task(self._watch_draft())
+            deadline = time.monotonic() + self.settings.draft_wait
+            while True:
+                try:
+                    await self._attach_draft()
+                    break
+                except FailedPrecondition:
+                    raise
+                except SpecdError as exc:
+                    if time.monotonic() >= deadline:
+                        log.warning("draft worker unavailable, decoding target-only until it answers: %s", exc)
+                        self._watcher = asyncio.get_running_loop().create_task(self._watch_draft())
+                        break
+                    await asyncio.sleep(0.2)
 
     async def _attach_draft(self) -> None:
         info = await self.draft.model_info()

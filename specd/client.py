@@ -24,6 +24,7 @@ class Completion:
     n_drafted: int = 0
     n_accepted: int = 0
     n_steps: int = 0
+    n_shifts: int = 0
     finish_reason: str = ""
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -84,6 +85,7 @@ def collect(stream, on_text: Callable[[str], None] | None = None) -> Completion:
             out.finish_reason = REASON_NAMES.get(f.reason, "unspecified")
             out.n_prompt, out.n_generated = f.usage.prompt_tokens, f.usage.generated_tokens
             out.n_drafted, out.n_accepted, out.n_steps = f.usage.drafted_tokens, f.usage.accepted_tokens, f.usage.steps
+            out.n_shifts = f.usage.context_shifts
             out.prompt_seconds, out.generation_seconds = f.timing.prompt_seconds, f.timing.generation_seconds
             out.speculative = f.speculative
     out.text = "".join(parts)

@@ -70,6 +70,7 @@ class RouterConfig(ServerConfig):
     check_alignment: bool = False
     max_queue: int = 64
     worker_timeout: float = 60.0
+    draft_wait: float = 60.0
 
 
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -105,6 +106,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--check-alignment", bool, False, "compare both workers' sequences with the history after every step")
     add(p, "--max-queue", int, 64, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, 60.0, "deadline of one worker call in seconds")
+    add(p, "--draft-wait", float, 60.0, "at start, seconds to wait for a loading draft before serving target-only")
 
 
 def build(cls, args: argparse.Namespace, **extra):
