@@ -1,0 +1,124 @@
+"""The public API against real processes: bad input, stop strings, seeds,
+vocabulary checks and a draft worker that dies mid-stream."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from specd.client import RouterClient, collect, make_request
+from specd.launcher import Cluster, ClusterSpec, ProcessDied
+from specd.models import gemma3_model
+from specd.v1 import router_pb2 as rpb
+from specd.v1 import router_pb2_grpc as rpb_grpc
+
+BAD_REQUESTS = [
+    ("prompt", lambda r: r.ClearField("prompt")),
+    ("prompt", lambda r: setattr(r, "prompt", "")),
+    ("prompt_tokens[1]", lambda r: r.prompt_tokens.ids.extend([1, 49152])),
+    ("prompt_tokens[0]", lambda r: r.prompt_tokens.ids.extend([-3])),
+    ("prompt", lambda r: r.prompt_tokens.ids.extend([42] * 5000)),
+    ("max_tokens", lambda r: setattr(r, "max_tokens", 0)),
+    ("max_tokens", lambda r: setattr(r, "max_tokens", -5)),
+    ("max_tokens", lambda r: setattr(r, "max_tokens", 5000)),
+    ("sampling.temperature", lambda r: setattr(r.sampling, "temperature", -1.0)),
+    ("sampling.top_p", lambda r: setattr(r.sampling, "top_p", 1.5)),
+    ("sampling.top_k", lambda r: setattr(r.sampling, "top_k", -2)),
+    ("speculative.n_max", lambda r: setattr(r.speculative, "n_max", 0)),
+    ("speculative.n_max", lambda r: setattr(r.speculative, "n_max", 65)),
+    ("speculative.n_min", lambda r: (setattr(r.speculative, "n_max", 2), setattr(r.speculative, "n_min", 3))),
+    ("speculative.p_min", lambda r: setattr(r.speculative, "p_min", 1.5)),
+    ("n_keep", lambda r: setattr(r, "n_keep", -1)),
+]
+
+
+@pytest.mark.parametrize("field,mutate", BAD_REQUESTS, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD_REQUESTS)])
+def test_bad_request_is_invalid_argument_naming_the_field(cluster, field, mutate):
+    req = rpb.GenerateRequest(prompt="Hello", max_tokens=4)
+    mutate(req)
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        stub = rpb_grpc.RouterStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+    # the workers keep serving, and nothing leaked into the next request
+    with RouterClient(cluster.router_address) as client:
+        r = client.generate("The capital of France is", max_tokens=6)
+        assert r.n_generated == 6 and r.text
+
+
+def test_stop_string_cuts_text(cluster):
+    with RouterClient(cluster.router_address) as client:
+        full = client.generate("1, 2, 3, 4, 5,", max_tokens=20, speculative=False)
+        assert " 8," in full.text
+        r = client.generate("1, 2, 3, 4, 5,", max_tokens=20, stop=[" 8,"])
+        assert r.finish_reason == "stop"
+        assert r.text == full.text[: full.text.index(" 8,")]
+
+
+def test_seed_reproduces_output_with_and_without_speculation(cluster):
+    with RouterClient(cluster.router_address) as client:
+        kw = dict(max_tokens=24, temperature=0.9, seed=1234)
+        a = client.generate("Once upon a time", **kw)
+        b = client.generate("Once upon a time", **kw)
+        c = client.generate("Once upon a time", speculative=False, **kw)
+        d = client.generate("Once upon a time", max_tokens=24, temperature=0.9, seed=99)
+        assert a.tokens == b.tokens == c.tokens
+        assert a.n_drafted > 0
+        assert d.tokens != a.tokens
+
+
+def test_info_and_tokenize(cluster, models):
+    with RouterClient(cluster.router_address) as client:
+        info = client.info()
+        assert info.target.n_vocab == info.draft.n_vocab == 49152
+        assert info.target.vocab_fingerprint == info.draft.vocab_fingerprint
+        assert info.draft_up and info.target.model_path == models["target"]
+        assert client.tokenize("Hello world") == [19556, 905]
+
+
+def test_cli_generate_json(cluster):
+    out = subprocess.run(
+        [sys.executable, "-m", "specd", "generate", "--router", cluster.router_address, "--json",
+         "--max-tokens", "12", "The capital of France is"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    d = json.loads(out.stdout)
+    assert set(d) >= {"text", "tokens", "n_prompt", "n_generated", "n_drafted", "n_accepted", "finish_reason",
+                      "tokens_per_second"}
+    assert d["n_generated"] == len(d["tokens"]) == 12 and d["tokens_per_second"] > 0
+    assert "Paris" in d["text"]
+
+
+def test_mismatched_vocabularies_refuse_to_start(models):
+    gemma = gemma3_model(quiet=True)
+    with pytest.raises(ProcessDied) as err:
+        Cluster(ClusterSpec(target_model=models["target"], draft_model=gemma, n_ctx=512, n_seq=1)).start(timeout=120)
+    msg = str(err.value)
+    assert "router exited" in msg and "vocabulary" in msg
+    assert os.path.basename(models["target"]) in msg and os.path.basename(gemma) in msg
+
+
+def test_draft_killed_mid_stream_degrades_to_target_only(cluster_factory):
+    c = cluster_factory(n_ctx=1024, n_seq=1)
+    prompt = ", ".join(str(i) for i in range(1, 21)) + ","
+    with RouterClient(c.router_address) as client:
+        base = client.generate(prompt, max_tokens=160, speculative=False)
+        stream = client.stub.Generate(make_request(prompt, max_tokens=160), timeout=120)
+        first = next(stream)
+        assert first.token_ids
+        c.procs["draft"].popen.send_signal(signal.SIGKILL)
+        rest = collect(stream)
+        tokens = list(first.token_ids) + rest.tokens
+        assert tokens == base.tokens
+        assert rest.finish_reason == "length" and rest.n_generated == 160
+        # later requests are served target-only, without error
+        after = client.generate(prompt, max_tokens=20)
+        assert after.tokens == base.tokens[:20]
