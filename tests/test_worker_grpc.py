@@ -1,0 +1,208 @@
+"""Worker RPCs on a real worker process: llama.cpp's KV semantics, checkpoints,
+the ordered Execute pipeline, bad input, health."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.launcher import Proc
+from specd.tokens import history_hash, token_hash
+from specd.v1 import worker_pb2 as pb
+from specd.v1 import worker_pb2_grpc as pb_grpc
+
+N_SEQ = 3
+
+
+def start_worker(role: str, model: str, tmp_path, *extra) -> tuple[Proc, str]:
+    p = Proc(role, [role, "--model", model, "--port", "0", "--threads", "1", "--n-ctx", "256",
+                    "--n-seq", str(N_SEQ), *extra], tmp_path)
+    port = p.wait_port(time.monotonic() + 60)
+    return p, f"127.0.0.1:{port}"
+
+
+def wait_serving(address: str, timeout: float = 60) -> list[int]:
+    seen = []
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            status = stub.Check(health_pb2.HealthCheckRequest(service="specd.v1.Worker"), timeout=5).status
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return seen
+            time.sleep(0.02)
+    raise TimeoutError(address)
+
+
+@pytest.fixture(scope="module")
+def target(models, tmp_path_factory):
+    proc, address = start_worker("target", models["target"], tmp_path_factory.mktemp("target"))
+    seen = wait_serving(address)
+    ch = grpc.insecure_channel(address)
+    yield pb_grpc.WorkerStub(ch), pb_grpc.TargetWorkerStub(ch), seen, proc
+    ch.close()
+    proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean(target):
+    target[0].Clear(pb.ClearRequest(seq_id=-1))
+    yield
+
+
+def code_of(fn, *a, **kw):
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*a, **kw)
+    return err.value.code(), err.value.details()
+
+
+def test_health_goes_serving_after_load(target):
+    seen = target[2]
+    assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_decode_rm_add_follow_llama_semantics(target):
+    w = target[0]
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    s = w.Decode(pb.DecodeRequest(seq_id=1, pos=0, tokens=toks))
+    assert (s.pos_min, s.pos_max, s.n_tokens, s.token_hash) == (0, 7, 8, history_hash(toks))
+    s = w.SeqRm(pb.SeqRmRequest(seq_id=1, p0=6, p1=-1))  # [6, inf)
+    assert (s.pos_max, s.n_tokens) == (5, 6)
+    s = w.SeqRm(pb.SeqRmRequest(seq_id=1, p0=2, p1=4))  # middle [2, 4)
+    assert s.n_tokens == 4
+    s = w.SeqAdd(pb.SeqAddRequest(seq_id=1, p0=4, p1=-1, delta=-2))
+    assert (s.pos_min, s.pos_max) == (0, 3) and s.token_hash == history_hash([1, 2, 5, 6])
+    # decoding continues at the shifted end
+    s = w.Decode(pb.DecodeRequest(seq_id=1, pos=4, tokens=[9]))
+    assert s.token_hash == history_hash([1, 2, 5, 6, 9])
+    # other sequences are untouched
+    assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0)).n_tokens == 0
+
+
+def test_seq_cp_copies_whole_sequences(target):
+    w = target[0]
+    w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[5, 6, 7]))
+    s = w.SeqCp(pb.SeqCpRequest(seq_id_src=0, seq_id_dst=2, p0=-1, p1=-1))
+    assert s.seq_id == 2 and s.token_hash == history_hash([5, 6, 7]) and s.pos_max == 2
+    code, msg = code_of(w.SeqCp, pb.SeqCpRequest(seq_id_src=0, seq_id_dst=2, p0=1, p1=2))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "whole sequences" in msg
+
+
+def test_checkpoint_restores_state_and_logits(target):
+    w, t = target[0], target[1]
+    prompt = [19556, 28, 957, 1462, 314]
+    w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=prompt[:-1]))
+    ck = w.CheckpointSave(pb.CheckpointSaveRequest(seq_id=0))
+    assert (ck.pos_min, ck.pos_max, ck.n_tokens) == (0, 3, 4) and ck.n_bytes > 0
+    first = t.Verify(pb.VerifyRequest(seq_id=0, pos=4, tokens=[prompt[-1], 11, 12, 13], trim=False))
+    assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0)).pos_max == 7
+    s = w.CheckpointRestore(pb.CheckpointRestoreRequest(handle=ck.handle, drop=True))
+    assert (s.pos_max, s.token_hash) == (3, history_hash(prompt[:-1]))
+    again = t.Verify(pb.VerifyRequest(seq_id=0, pos=4, tokens=[prompt[-1]], trim=True))
+    assert again.tokens[0] == first.tokens[0]
+    code, _ = code_of(w.CheckpointRestore, pb.CheckpointRestoreRequest(handle=ck.handle))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_verify_trims_rejected_drafts(target):
+    w, t = target[0], target[1]
+    prompt = [19556, 28, 957, 1462, 314]
+    w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=prompt[:-1]))
+    greedy = t.Verify(pb.VerifyRequest(seq_id=0, pos=4, tokens=[prompt[-1]], trim=True)).tokens[0]
+    w.SeqRm(pb.SeqRmRequest(seq_id=0, p0=4, p1=-1))
+    wrong = (greedy + 1) % 49152
+    r = t.Verify(pb.VerifyRequest(seq_id=0, pos=4, tokens=[prompt[-1], greedy, wrong, 7], trim=True))
+    assert r.tokens[0] == greedy and len(r.tokens) == 2  # one draft accepted, then the target's token
+    assert r.state.pos_max == 5 and r.state.token_hash == history_hash(prompt + [greedy])
+    assert len(r.pieces) == len(r.tokens)
+    text = w.Detokenize(pb.DetokenizeRequest(tokens=list(r.tokens))).text
+    assert b"".join(r.pieces).decode() == text and text
+
+
+BAD = [
+    ("Decode", pb.DecodeRequest(seq_id=N_SEQ, pos=0, tokens=[1]), grpc.StatusCode.INVALID_ARGUMENT, "seq_id"),
+    ("Decode", pb.DecodeRequest(seq_id=0, pos=0, tokens=[]), grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
+    ("Decode", pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 49152]), grpc.StatusCode.INVALID_ARGUMENT, "tokens[1]"),
+    ("Decode", pb.DecodeRequest(seq_id=0, pos=-1, tokens=[1]), grpc.StatusCode.INVALID_ARGUMENT, "pos"),
+    ("Decode", pb.DecodeRequest(seq_id=0, pos=3, tokens=[1] * 254), grpc.StatusCode.OUT_OF_RANGE, "n_ctx_seq"),
+    ("SeqRm", pb.SeqRmRequest(seq_id=0, p0=5, p1=2), grpc.StatusCode.INVALID_ARGUMENT, "p1"),
+    ("SeqAdd", pb.SeqAddRequest(seq_id=0, p0=0, p1=-1, delta=-5), grpc.StatusCode.INVALID_ARGUMENT, "delta"),
+    ("SeqCp", pb.SeqCpRequest(seq_id_src=0, seq_id_dst=0, p0=-1, p1=-1), grpc.StatusCode.INVALID_ARGUMENT, "seq_id_dst"),
+    ("CheckpointDrop", pb.CheckpointDropRequest(handle=999999), grpc.StatusCode.NOT_FOUND, "999999"),
+]
+
+
+@pytest.mark.parametrize("method,request_,code,word", BAD, ids=[f"{m}-{w}" for m, _, _, w in BAD])
+def test_bad_input_changes_nothing(target, method, request_, code, word):
+    w = target[0]
+    w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 2, 3]))
+    before = w.GetSeqState(pb.GetSeqStateRequest(seq_id=0))
+    got, msg = code_of(getattr(w, method), request_)
+    assert got == code and word in msg
+    assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0)) == before
+
+
+def test_bad_verify_and_wrong_position(target):
+    w, t = target[0], target[1]
+    w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 2, 3]))
+    code, msg = code_of(t.Verify, pb.VerifyRequest(seq_id=0, pos=5, tokens=[4]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "next position is 3" in msg
+    code, msg = code_of(t.Verify, pb.VerifyRequest(seq_id=0, pos=3, tokens=[4], sampling=pb.SamplingParams(temperature=-1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in msg
+
+
+def test_execute_pipeline_keeps_order_and_reports_errors(target):
+    w = target[0]
+    ops = [
+        pb.WorkerOp(decode=pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 2, 3, 4])),
+        pb.WorkerOp(seq_rm=pb.SeqRmRequest(seq_id=0, p0=2, p1=-1)),
+        pb.WorkerOp(decode=pb.DecodeRequest(seq_id=0, pos=9, tokens=[5])),  # wrong position
+        pb.WorkerOp(decode=pb.DecodeRequest(seq_id=0, pos=2, tokens=[5])),
+        pb.WorkerOp(),  # no operation
+        pb.WorkerOp(get_seq_state=pb.GetSeqStateRequest(seq_id=0)),
+        pb.WorkerOp(propose=pb.ProposeRequest(seq_id=0, pos=3, tokens=[1], n_max=2)),
+    ]
+    results = list(w.Execute(iter(ops), timeout=30))
+    kinds = [r.WhichOneof("result") for r in results]
+    assert kinds == ["state", "state", "error", "state", "error", "state", "error"]
+    assert results[2].error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert results[5].state.token_hash == history_hash([1, 2, 5])
+    assert results[6].error.code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+
+
+def test_worker_survives_a_burst_of_garbage(target):
+    w = target[0]
+    for i in range(50):
+        try:
+            w.Decode(pb.DecodeRequest(seq_id=i % 7 - 2, pos=i * 37 % 300 - 5, tokens=[i * 9973 % 60000 - 100]))
+        except grpc.RpcError as exc:
+            assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.OUT_OF_RANGE)
+    assert target[3].popen.poll() is None
+    w.Clear(pb.ClearRequest(seq_id=-1))
+    assert w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[1])).n_tokens == 1
+
+
+def test_draft_worker_proposes_and_keeps_contract(models, tmp_path):
+    proc, address = start_worker("draft", models["draft"], tmp_path)
+    try:
+        wait_serving(address)
+        with grpc.insecure_channel(address) as ch:
+            d = pb_grpc.DraftWorkerStub(ch)
+            w = pb_grpc.WorkerStub(ch)
+            prompt = [19556, 28, 957, 1462, 314]
+            r = d.Propose(pb.ProposeRequest(seq_id=0, pos=0, tokens=prompt, n_max=4))
+            assert len(r.tokens) == 4
+            # holds the tail and d0..d2: the last draft is not evaluated
+            assert r.state.token_hash == history_hash(prompt + list(r.tokens[:3]))
+            code, msg = code_of(d.Propose, pb.ProposeRequest(seq_id=0, pos=8, tokens=[1], n_max=0))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "n_max" in msg
+            code, _ = code_of(pb_grpc.TargetWorkerStub(ch).Verify, pb.VerifyRequest(seq_id=0, pos=8, tokens=[1]))
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+            assert w.GetModelInfo(pb.GetModelInfoRequest()).kind == "model"
+    finally:
+        assert proc.stop() == 0  # SIGTERM: graceful, exit code 0
