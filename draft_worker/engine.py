@@ -6,6 +6,7 @@ it evaluated to find the next one), and returns d0 .. dk-1.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ MAX_DRAFT = 64
 class ProposeResult:
     tokens: list[int]
     state: SeqState
+    compute_seconds: float = 0.0
 
 
 def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
@@ -38,6 +40,7 @@ class _ProposeMixin:
     """Validation and the n_min cut shared by both draft engines."""
 
     def _begin(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
+        self._t0 = time.perf_counter()
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         check_propose_params(n_max, n_min, p_min)
@@ -52,7 +55,7 @@ class _ProposeMixin:
         keep = end + max(len(drafts) - 1, 0)
         if self.seqs[seq_id].pos_max + 1 > keep and self.can_rm_partial:
             self.seq_rm(seq_id, keep, -1)
-        return ProposeResult(drafts, self.state(seq_id))
+        return ProposeResult(drafts, self.state(seq_id), time.perf_counter() - self._t0)
 
 
 class DraftModelEngine(_ProposeMixin, ModelEngine):

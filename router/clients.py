@@ -32,12 +32,14 @@ class VerifyOut:
     tokens: list[int]
     pieces: list[bytes]
     state: SeqState
+    compute_seconds: float = 0.0
 
 
 @dataclass
 class ProposeOut:
     tokens: list[int]
     state: SeqState
+    compute_seconds: float = 0.0
 
 
 def error_for(code_name: str, message: str) -> errors.SpecdError:
@@ -69,10 +71,10 @@ def _unwrap(res: pb.WorkerResult):
         return CheckpointInfo(c.handle, c.seq_id, c.pos_min, c.pos_max, c.n_tokens, c.n_bytes)
     if which == "verify":
         v = res.verify
-        return VerifyOut(list(v.tokens), list(v.pieces), _state(v.state))
+        return VerifyOut(list(v.tokens), list(v.pieces), _state(v.state), v.compute_seconds)
     if which == "propose":
         p = res.propose
-        return ProposeOut(list(p.tokens), _state(p.state))
+        return ProposeOut(list(p.tokens), _state(p.state), p.compute_seconds)
     return None
 
 
@@ -137,6 +139,7 @@ class GrpcWorker(_Ops):
         self._queue: asyncio.Queue | None = None
         self._pending: collections.deque[asyncio.Future] = collections.deque()
         self._reader: asyncio.Task | None = None
+        self._call = None
 
     # ---------------------------------------------------------------- unary
     async def model_info(self) -> ModelInfo:
@@ -162,10 +165,24 @@ class GrpcWorker(_Ops):
         op = pb.WorkerOp(**{name: _REQUEST_TYPES[name](**fields)})
         if self._reader is None or self._reader.done():
             self._open()
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._pending.append(fut)
         self._queue.put_nowait(op)
+        timer = loop.call_later(self.timeout, self._expire, fut, name)
+        fut.add_done_callback(lambda _: timer.cancel())
         return fut
+
+    def _expire(self, fut: asyncio.Future, name: str) -> None:
+        """A call past its deadline: the worker is stuck. Fail everything in
+        flight and drop the stream; the next call opens a new one."""
+        if fut.done():
+            return
+        fut.set_exception(errors.DeadlineExceeded(
+            f"{self.name} worker at {self.address}: {name} took longer than {self.timeout:g}s"))
+        fut.exception()
+        if self._call is not None:
+            self._call.cancel()
 
     def _open(self) -> None:
         self._queue = asyncio.Queue()
@@ -178,14 +195,14 @@ class GrpcWorker(_Ops):
                     return
                 yield op
 
-        call = self._stub.Execute(requests())
+        call = self._call = self._stub.Execute(requests())
         self._reader = asyncio.get_running_loop().create_task(self._read(call))
 
     async def _read(self, call) -> None:
         try:
             async for res in call:
                 fut = self._pending.popleft()
-                if fut.cancelled():
+                if fut.done():  # cancelled or expired
                     continue
                 try:
                     fut.set_result(_unwrap(res))
@@ -240,11 +257,11 @@ class LocalWorker(_Ops):
         if name == "verify":
             def fn():
                 r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"])
-                return VerifyOut(r.tokens, r.pieces, r.state)
+                return VerifyOut(r.tokens, r.pieces, r.state, r.compute_seconds)
         elif name == "propose":
             def fn():
                 r = e.propose(f["seq_id"], f["pos"], f["tokens"], f["n_max"], f["n_min"], f["p_min"])
-                return ProposeOut(r.tokens, r.state)
+                return ProposeOut(r.tokens, r.state, r.compute_seconds)
         else:
             method = {"get_seq_state": "state"}.get(name, name)
             args = list(f.values())

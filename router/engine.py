@@ -64,9 +64,11 @@ class GenParams:
 class StepStats:
     n_drafted: int
     n_accepted: int
-    draft_seconds: float
-    verify_seconds: float
+    draft_seconds: float  # wall time of the Propose call, transport included
+    verify_seconds: float  # wall time of the Verify call, transport included
     step_seconds: float
+    draft_compute: float = 0.0  # of which the draft worker computed
+    verify_compute: float = 0.0  # of which the target worker computed
 
 
 @dataclass
@@ -89,6 +91,9 @@ class Result:
     n_divergences: int = 0
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
+    draft_compute_seconds: float = 0.0
+    verify_compute_seconds: float = 0.0
+    steps_seconds: float = 0.0
     speculative: bool = False
     accepted_per_pos: list[int] = field(default_factory=list)
 
@@ -338,13 +343,14 @@ class Router:
         drafts: list[int] = []
         held_d = s.n_d
         ck_d = None
-        t_draft = 0.0
+        t_draft = c_draft = 0.0
         if k >= max(1, n_min):
             try:
                 if ckpt:
                     ck_d = self.draft.checkpoint_save(seq)
                 prop = await self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min)
                 drafts = prop.tokens
+                c_draft = prop.compute_seconds
                 held_d = prop.state.pos_max + 1
                 if ck_d is not None:
                     ck_d = (await ck_d).handle
@@ -396,7 +402,10 @@ class Router:
         use_draft = await self._settle(s, use_draft)
         if self.settings.check_alignment:
             use_draft = await self._check_alignment(s, use_draft)
-        stats = StepStats(len(drafts), a, t_draft, t_verify, time.perf_counter() - t0)
+        stats = StepStats(len(drafts), a, t_draft, t_verify, time.perf_counter() - t0, c_draft, ver.compute_seconds)
+        s.res.draft_compute_seconds += c_draft
+        s.res.verify_compute_seconds += ver.compute_seconds
+        s.res.steps_seconds += stats.step_seconds
         for obs in self.step_observers:
             obs(stats)
         return out, ver.pieces, use_draft

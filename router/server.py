@@ -53,7 +53,7 @@ async def serve(cfg: RouterConfig) -> None:
         return [rpb.DESCRIPTOR.services_by_name["Router"].full_name]
 
     life = await start_server(cfg.host, cfg.port, register, cfg.port_file)
-    start_metrics(cfg.metrics_port, metrics.registry)
+    start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
     life.install_signal_handlers()
     try:
         await connect(router, life.stopping)

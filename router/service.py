@@ -34,7 +34,9 @@ def finish_pb(res: Result) -> rpb.Finish:
         usage=rpb.Usage(prompt_tokens=res.n_prompt, generated_tokens=res.n_generated,
                         drafted_tokens=res.n_drafted, accepted_tokens=res.n_accepted,
                         steps=res.n_steps, context_shifts=res.n_shifts),
-        timing=rpb.Timing(prompt_seconds=res.prompt_seconds, generation_seconds=res.generation_seconds),
+        timing=rpb.Timing(prompt_seconds=res.prompt_seconds, generation_seconds=res.generation_seconds,
+                          draft_compute_seconds=res.draft_compute_seconds,
+                          verify_compute_seconds=res.verify_compute_seconds, steps_seconds=res.steps_seconds),
         speculative=res.speculative,
     )
 

@@ -195,6 +195,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_gen_flags(p, None)
     p.set_defaults(fn=_generate)
+    from specd.bench import add_parser as add_bench
+
+    add_bench(sub)
     return ap
 
 

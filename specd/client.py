@@ -28,6 +28,9 @@ class Completion:
     finish_reason: str = ""
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
+    draft_compute_seconds: float = 0.0
+    verify_compute_seconds: float = 0.0
+    steps_seconds: float = 0.0
     wall_seconds: float = 0.0
     speculative: bool = False
 
@@ -87,6 +90,9 @@ def collect(stream, on_text: Callable[[str], None] | None = None) -> Completion:
             out.n_drafted, out.n_accepted, out.n_steps = f.usage.drafted_tokens, f.usage.accepted_tokens, f.usage.steps
             out.n_shifts = f.usage.context_shifts
             out.prompt_seconds, out.generation_seconds = f.timing.prompt_seconds, f.timing.generation_seconds
+            out.draft_compute_seconds = f.timing.draft_compute_seconds
+            out.verify_compute_seconds = f.timing.verify_compute_seconds
+            out.steps_seconds = f.timing.steps_seconds
             out.speculative = f.speculative
     out.text = "".join(parts)
     out.wall_seconds = time.perf_counter() - t0

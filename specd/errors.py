@@ -41,3 +41,7 @@ class Unavailable(SpecdError):
 
 class Internal(SpecdError):
     code = "INTERNAL"
+
+
+class DeadlineExceeded(SpecdError):
+    code = "DEADLINE_EXCEEDED"

@@ -30,6 +30,7 @@ class ClusterSpec:
     router_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
+    metrics: bool = False  # give every process a /metrics port (cluster.metrics_ports)
 
 
 class ProcessDied(RuntimeError):
@@ -100,11 +101,18 @@ class Cluster:
         self.workdir = pathlib.Path(workdir or self._tmp.name)
         self.procs: dict[str, Proc] = {}
         self.router_address = ""
+        self.metrics_ports: dict[str, int] = {}
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.spec.metrics:
+            return []
+        self.metrics_ports[name] = free_port(self.spec.host)
+        return ["--metrics-port", str(self.metrics_ports[name]), "--host", self.spec.host]
 
     def _worker_args(self, role: str, threads: int) -> list[str]:
         s = self.spec
         return [role, "--host", s.host, "--port", "0", "--threads", str(threads), "--n-ctx", str(s.n_ctx),
-                "--n-seq", str(s.n_seq), *s.worker_args]
+                "--n-seq", str(s.n_seq), *self._metrics_args(role), *s.worker_args]
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         s = self.spec
@@ -117,7 +125,8 @@ class Cluster:
                 self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *src, *s.draft_args], self.workdir)
                 draft_addr = f"{s.host}:{self.procs['draft'].wait_port(deadline)}"
             target_addr = f"{s.host}:{self.procs['target'].wait_port(deadline)}"
-            args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr, *s.router_args]
+            args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr,
+                    *self._metrics_args("router"), *s.router_args]
             if draft_addr:
                 args += ["--draft", draft_addr]
             self.procs["router"] = Proc("router", args, self.workdir)
@@ -143,6 +152,15 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (for HTTP metrics, which cannot report a port 0 back)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def default_threads() -> tuple[int, int]:

@@ -81,12 +81,13 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     return life
 
 
-def start_metrics(port: int, registry) -> None:
+def start_metrics(port: int, registry, host: str = "0.0.0.0") -> None:
+    """Serve /metrics over HTTP on `port` (0: off), on the gRPC host's address."""
     if port:
         from prometheus_client import start_http_server
 
-        start_http_server(port, registry=registry)
-        log.info("metrics on :%d/metrics", port)
+        start_http_server(port, addr=host, registry=registry)
+        log.info("metrics on %s:%d/metrics", host, port)
 
 
 async def run_until_stopped(life: Lifecycle, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:

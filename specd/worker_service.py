@@ -50,14 +50,15 @@ def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
     if not hasattr(e, "verify"):
         raise Unimplemented("Verify is served by the target worker only")
     res = e.verify(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim)
-    return pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state))
+    return pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state),
+                             compute_seconds=res.compute_seconds)
 
 
 def _propose(e, r: pb.ProposeRequest) -> pb.ProposeResponse:
     if not hasattr(e, "propose"):
         raise Unimplemented("Propose is served by the draft worker only")
     res = e.propose(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min)
-    return pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state))
+    return pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds)
 
 
 def _clear(e, r):
@@ -227,7 +228,7 @@ async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
     runner = EngineRunner()
     life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role), cfg.port_file)
     metrics = WorkerPrometheus()
-    start_metrics(cfg.metrics_port, metrics.registry)
+    start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
     life.install_signal_handlers()
     loader = asyncio.ensure_future(runner.load(make_engine))
     stop = asyncio.ensure_future(life.stopping.wait())

@@ -2,6 +2,7 @@
 accept drafts while they match what the target samples."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from specd.engine import SeqState
@@ -15,6 +16,7 @@ class VerifyResult:
     tokens: list[int]  # accepted drafts + the target's next token
     pieces: list[bytes]
     state: SeqState
+    compute_seconds: float = 0.0
 
 
 class TargetEngine(ModelEngine):
@@ -29,9 +31,10 @@ class TargetEngine(ModelEngine):
         n_draft = len(toks) - 1
         if trim and n_draft > 0 and not self.can_rm_partial:
             raise FailedPrecondition("trim needs partial removal, which this model lacks; verify with checkpoints")
+        t0 = time.perf_counter()
         logits = self.decode_logits(seq_id, pos, toks, len(toks))
         out = accept(logits, toks[1:].tolist(), sampling, sample_index)
         n_accepted = len(out) - 1
         if trim and n_accepted < n_draft:
             self.seq_rm(seq_id, pos + 1 + n_accepted, -1)
-        return VerifyResult(out, self.pieces(out), self.state(seq_id))
+        return VerifyResult(out, self.pieces(out), self.state(seq_id), time.perf_counter() - t0)

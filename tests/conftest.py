@@ -25,9 +25,9 @@ def models() -> dict[str, str]:
     return default_models(quiet=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster_factory(models):
-    """Start clusters of real processes; all are stopped at the end of the session."""
+    """Start clusters of real processes; they are stopped at the end of the module."""
     started: list[Cluster] = []
 
     def make(router_args=(), **kw) -> Cluster:

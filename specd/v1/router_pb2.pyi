@@ -242,19 +242,33 @@ class Timing(_message.Message):
 
     PROMPT_SECONDS_FIELD_NUMBER: _builtins.int
     GENERATION_SECONDS_FIELD_NUMBER: _builtins.int
+    DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    VERIFY_COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    STEPS_SECONDS_FIELD_NUMBER: _builtins.int
     prompt_seconds: _builtins.float
     """Seconds spent processing the prompt (until the workers hold it)."""
     generation_seconds: _builtins.float
     """Seconds from the end of prompt processing to the last token."""
+    draft_compute_seconds: _builtins.float
+    """Of the generation: seconds the draft worker computed (Propose)."""
+    verify_compute_seconds: _builtins.float
+    """Of the generation: seconds the target worker computed (Verify)."""
+    steps_seconds: _builtins.float
+    """Sum of the wall time of every step; what is neither draft nor verify
+    compute is router and RPC overhead.
+    """
     def __init__(
         self,
         *,
         prompt_seconds: _builtins.float = ...,
         generation_seconds: _builtins.float = ...,
+        draft_compute_seconds: _builtins.float = ...,
+        verify_compute_seconds: _builtins.float = ...,
+        steps_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation_seconds", b"generation_seconds", "prompt_seconds", b"prompt_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_compute_seconds", b"draft_compute_seconds", "generation_seconds", b"generation_seconds", "prompt_seconds", b"prompt_seconds", "steps_seconds", b"steps_seconds", "verify_compute_seconds", b"verify_compute_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -635,6 +635,11 @@ class VerifyResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     PIECES_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    compute_seconds: _builtins.float
+    """Seconds the worker spent computing this call (decode and sampling),
+    without transport or queueing.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accepted drafts followed by the target's next token: n_accepted + 1 ids."""
@@ -653,10 +658,11 @@ class VerifyResponse(_message.Message):
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         pieces: _abc.Iterable[_builtins.bytes] | None = ...,
         state: Global___SeqState | None = ...,
+        compute_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pieces", b"pieces", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "pieces", b"pieces", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -709,6 +715,9 @@ class ProposeResponse(_message.Message):
 
     TOKENS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    compute_seconds: _builtins.float
+    """Seconds the worker spent computing this call, without transport."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The proposed tokens d0 .. dk-1 (k <= n_max)."""
@@ -722,10 +731,11 @@ class ProposeResponse(_message.Message):
         *,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         state: Global___SeqState | None = ...,
+        compute_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,27 @@
+"""`specd bench` end to end on a tiny setting: all three modes run, greedy
+outputs agree, and the JSON, markdown and plot are written."""
+import json
+import subprocess
+import sys
+
+
+def test_bench_smoke(tmp_path, models):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--drafts", "q4_1,ngram:simple", "--draft-lengths", "2",
+         "--prompts", "2", "--max-tokens", "12", "--repeats", "1", "--n-ctx", "512", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "bench.json").read_text())
+    modes = {(r["mode"], r["draft"]) for r in result["rows"]}
+    assert modes == {("target-only", "-"), ("distributed", "q4_1"), ("in-process", "q4_1"),
+                     ("distributed", "ngram:simple"), ("in-process", "ngram:simple")}
+    assert result["greedy_output_mismatches"] == []
+    for r in result["rows"]:
+        assert r["tok_s_median"] > 0
+        if r["mode"] == "distributed":
+            assert r["distributed_over_in_process"] > 0
+            assert r["overhead_ms_per_step_median"] >= 0
+    assert "| distributed | q4_1 | 2 |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 1000
