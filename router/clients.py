@@ -1,8 +1,10 @@
 """Two transports to a worker, one interface for the router's loop.
 
-Every method returns an awaitable at once and operations run on the worker in
-the order they were issued, so the loop can issue a KV operation and the next
-decode without waiting in between (pipelining). Results are plain objects
+Every operation method is a coroutine that *issues* the operation and returns
+a future of its result (`fut = await w.seq_rm(...)`; `res = await fut`).
+Operations run on the worker in the order they were issued, so the loop can
+issue a KV operation and the next decode without waiting in between
+(pipelining). Results are plain objects
 (specd.engine types); failures raise specd.errors.SpecdError.
 
 - `GrpcWorker` speaks to a worker process over one `Execute` stream.
@@ -85,36 +87,36 @@ def _sampling_pb(s: Sampling) -> pb.SamplingParams:
 class _Ops:
     """The operation methods, written once over `_send(op_name, **fields)`."""
 
-    def decode(self, seq_id: int, pos: int, tokens):
-        return self._send("decode", seq_id=seq_id, pos=pos, tokens=tokens)
+    async def decode(self, seq_id: int, pos: int, tokens):
+        return await self._send("decode", seq_id=seq_id, pos=pos, tokens=tokens)
 
-    def seq_rm(self, seq_id: int, p0: int, p1: int):
-        return self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
+    async def seq_rm(self, seq_id: int, p0: int, p1: int):
+        return await self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
 
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int):
-        return self._send("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
+    async def seq_add(self, seq_id: int, p0: int, p1: int, delta: int):
+        return await self._send("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
 
-    def checkpoint_save(self, seq_id: int):
-        return self._send("checkpoint_save", seq_id=seq_id)
+    async def checkpoint_save(self, seq_id: int):
+        return await self._send("checkpoint_save", seq_id=seq_id)
 
-    def checkpoint_restore(self, handle: int, drop: bool = False):
-        return self._send("checkpoint_restore", handle=handle, drop=drop)
+    async def checkpoint_restore(self, handle: int, drop: bool = False):
+        return await self._send("checkpoint_restore", handle=handle, drop=drop)
 
-    def checkpoint_drop(self, handle: int):
-        return self._send("checkpoint_drop", handle=handle)
+    async def checkpoint_drop(self, handle: int):
+        return await self._send("checkpoint_drop", handle=handle)
 
-    def state(self, seq_id: int):
-        return self._send("get_seq_state", seq_id=seq_id)
+    async def state(self, seq_id: int):
+        return await self._send("get_seq_state", seq_id=seq_id)
 
-    def clear(self, seq_id: int):
-        return self._send("clear", seq_id=seq_id)
+    async def clear(self, seq_id: int):
+        return await self._send("clear", seq_id=seq_id)
 
-    def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool):
-        return self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
+    async def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool):
+        return await self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
                           sample_index=sample_index, trim=trim)
 
-    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
-        return self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max, n_min=n_min, p_min=p_min)
+    async def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
+        return await self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max, n_min=n_min, p_min=p_min)
 
 
 _REQUEST_TYPES = {
@@ -136,7 +138,6 @@ class GrpcWorker(_Ops):
             address, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
         self._stub = pb_grpc.WorkerStub(self.channel)
-        self._queue: asyncio.Queue | None = None
         self._pending: collections.deque[asyncio.Future] = collections.deque()
         self._reader: asyncio.Task | None = None
         self._call = None
@@ -159,7 +160,7 @@ class GrpcWorker(_Ops):
             raise error_for(exc.code().name, f"{self.name} worker at {self.address}: {exc.details()}") from None
 
     # --------------------------------------------------------------- stream
-    def _send(self, name: str, **fields) -> asyncio.Future:
+    async def _send(self, name: str, **fields) -> asyncio.Future:
         if "sampling" in fields:
             fields["sampling"] = _sampling_pb(fields["sampling"])
         op = pb.WorkerOp(**{name: _REQUEST_TYPES[name](**fields)})
@@ -168,7 +169,14 @@ class GrpcWorker(_Ops):
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append(fut)
-        self._queue.put_nowait(op)
+        try:
+            await self._call.write(op)
+        except Exception as exc:  # the stream is broken: the reader fails what is pending
+            self._call.cancel()
+            if not fut.done():
+                fut.set_exception(errors.Unavailable(f"{self.name} worker at {self.address}: {exc!r}"))
+                fut.exception()
+            return fut
         timer = loop.call_later(self.timeout, self._expire, fut, name)
         fut.add_done_callback(lambda _: timer.cancel())
         return fut
@@ -185,22 +193,15 @@ class GrpcWorker(_Ops):
             self._call.cancel()
 
     def _open(self) -> None:
-        self._queue = asyncio.Queue()
-        queue = self._queue
-
-        async def requests():
-            while True:
-                op = await queue.get()
-                if op is None:
-                    return
-                yield op
-
-        call = self._call = self._stub.Execute(requests())
+        call = self._call = self._stub.Execute()
         self._reader = asyncio.get_running_loop().create_task(self._read(call))
 
     async def _read(self, call) -> None:
         try:
-            async for res in call:
+            while True:
+                res = await call.read()
+                if res is grpc.aio.EOF:
+                    break
                 fut = self._pending.popleft()
                 if fut.done():  # cancelled or expired
                     continue
@@ -220,8 +221,8 @@ class GrpcWorker(_Ops):
                 fut.exception()  # mark retrieved: the owner may be gone
 
     async def close(self) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -252,7 +253,7 @@ class LocalWorker(_Ops):
     def _call(self, fn) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    def _send(self, name: str, **f) -> asyncio.Future:
+    async def _send(self, name: str, **f) -> asyncio.Future:
         e = self.engine
         if name == "verify":
             def fn():

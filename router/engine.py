@@ -173,7 +173,7 @@ class Router:
         self.eog = frozenset(self.target_info.eog_tokens)
         self.n_ctx = self.target_info.n_ctx_seq
         self.pool = SeqPool(self.target_info.n_seq, self.settings.max_queue)
-        await self.target.clear(-1)  # start from empty sequences whatever came before
+        await _done(self.target.clear(-1))  # start from empty sequences whatever came before
         if self.draft is not None:
             deadline = time.monotonic() + self.settings.draft_wait
             while True:
@@ -192,7 +192,7 @@ class Router:
     async def _attach_draft(self) -> None:
         info = await self.draft.model_info()
         check_vocab(self.target_info, info)
-        await self.draft.clear(-1)
+        await _done(self.draft.clear(-1))
         self.draft_info = info
         self.n_ctx = min(self.target_info.n_ctx_seq, info.n_ctx_seq)
         self.pool.capacity = min(self.pool.capacity, info.n_seq)
@@ -312,9 +312,9 @@ class Router:
         head = s.ctx[:-1]
         if not head:
             return use_draft
-        futs = [self.target.decode(s.seq, 0, head)]
+        futs = [await self.target.decode(s.seq, 0, head)]
         if use_draft:
-            futs.append(self.draft.decode(s.seq, 0, head))
+            futs.append(await self.draft.decode(s.seq, 0, head))
         results = await asyncio.gather(*futs, return_exceptions=True)
         if isinstance(results[0], BaseException):
             raise results[0]
@@ -337,7 +337,7 @@ class Router:
         k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
-            s.pending_t.append(self.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
+            s.pending_t.append(await self.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
             s.n_t = n - 1
 
         drafts: list[int] = []
@@ -347,8 +347,8 @@ class Router:
         if k >= max(1, n_min):
             try:
                 if ckpt:
-                    ck_d = self.draft.checkpoint_save(seq)
-                prop = await self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min)
+                    ck_d = await self.draft.checkpoint_save(seq)
+                prop = await _done(self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min))
                 drafts = prop.tokens
                 c_draft = prop.compute_seconds
                 held_d = prop.state.pos_max + 1
@@ -360,8 +360,8 @@ class Router:
             t_draft = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        ck_t = self.target.checkpoint_save(seq) if ckpt and drafts else None
-        ver = await self.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt)
+        ck_t = (await self.target.checkpoint_save(seq)) if ckpt and drafts else None
+        ver = await _done(self.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt))
         out = ver.tokens
         t_verify = time.perf_counter() - t1
         a = len(out) - 1
@@ -370,23 +370,23 @@ class Router:
         if ck_t is not None:
             handle = (await ck_t).handle
             if a < len(drafts):
-                s.pending_t.append(self.target.checkpoint_restore(handle, drop=True))
-                s.pending_t.append(self.target.decode(seq, n - 1, [ctx[-1]] + drafts[:a]))
+                s.pending_t.append(await self.target.checkpoint_restore(handle, drop=True))
+                s.pending_t.append(await self.target.decode(seq, n - 1, [ctx[-1]] + drafts[:a]))
             else:
-                s.pending_t.append(self.target.checkpoint_drop(handle))
+                s.pending_t.append(await self.target.checkpoint_drop(handle))
         s.n_t = keep
 
         if use_draft and held_d > s.n_d:
             keep_d = min(held_d, keep)
             if ck_d is not None:
                 if held_d > keep_d:
-                    s.pending_d.append(self.draft.checkpoint_restore(ck_d, drop=True))
+                    s.pending_d.append(await self.draft.checkpoint_restore(ck_d, drop=True))
                 else:
-                    s.pending_d.append(self.draft.checkpoint_drop(ck_d))
+                    s.pending_d.append(await self.draft.checkpoint_drop(ck_d))
                     s.n_d = keep_d
             else:
                 if held_d > keep_d:
-                    s.pending_d.append(self.draft.seq_rm(seq, keep_d, -1))
+                    s.pending_d.append(await self.draft.seq_rm(seq, keep_d, -1))
                 s.n_d = keep_d
 
         ctx.extend(out)
@@ -399,7 +399,7 @@ class Router:
                 s.res.accepted_per_pos[i] += 1
         s.res.n_steps += 1
 
-        use_draft = await self._settle(s, use_draft)
+        use_draft = await self._settle(s, use_draft, wait=self.settings.check_alignment)
         if self.settings.check_alignment:
             use_draft = await self._check_alignment(s, use_draft)
         stats = StepStats(len(drafts), a, t_draft, t_verify, time.perf_counter() - t0, c_draft, ver.compute_seconds)
@@ -410,18 +410,27 @@ class Router:
             obs(stats)
         return out, ver.pieces, use_draft
 
-    async def _settle(self, s: _Session, use_draft: bool) -> bool:
-        """Await the pipelined operations. A target failure fails the request;
-        a draft failure only turns the draft off for this session."""
-        pending_t, s.pending_t = s.pending_t, []
-        pending_d, s.pending_d = s.pending_d, []
-        for fut in pending_t:
-            await fut
-        for fut in pending_d:
-            try:
-                await fut
-            except SpecdError as exc:
-                use_draft = self._draft_failed(s, exc)
+    async def _settle(self, s: _Session, use_draft: bool, wait: bool = True) -> bool:
+        """Collect the pipelined operations' results. A target failure fails the
+        request; a draft failure only turns the draft off for this session.
+        Without `wait`, operations still in flight stay pending: a later result
+        from the same worker (answers come in order) settles them at no cost."""
+        if wait:
+            await asyncio.gather(*s.pending_t, *s.pending_d, return_exceptions=True)
+        still_t = []
+        for fut in s.pending_t:
+            if not fut.done():
+                still_t.append(fut)
+            elif not fut.cancelled() and fut.exception() is not None:
+                raise fut.exception()
+        s.pending_t = still_t
+        still_d = []
+        for fut in s.pending_d:
+            if not fut.done():
+                still_d.append(fut)
+            elif not fut.cancelled() and fut.exception() is not None:
+                return self._draft_failed(s, fut.exception())
+        s.pending_d = still_d
         return use_draft
 
     def _draft_failed(self, s: _Session, exc: BaseException) -> bool:
@@ -435,9 +444,9 @@ class Router:
 
     # ------------------------------------------------------------- alignment
     async def _check_alignment(self, s: _Session, use_draft: bool) -> bool:
-        futs = [self.target.state(s.seq)]
+        futs = [await self.target.state(s.seq)]
         if use_draft:
-            futs.append(self.draft.state(s.seq))
+            futs.append(await self.draft.state(s.seq))
         states = await asyncio.gather(*futs, return_exceptions=True)
         if isinstance(states[0], BaseException):
             raise states[0]
@@ -456,10 +465,10 @@ class Router:
         return use_draft
 
     async def _resync_draft(self, s: _Session) -> None:
-        await self.draft.clear(s.seq)
+        await _done(self.draft.clear(s.seq))
         s.n_d = 0
         if len(s.ctx) > 1:
-            await self.draft.decode(s.seq, 0, s.ctx[:-1])
+            await _done(self.draft.decode(s.seq, 0, s.ctx[:-1]))
             s.n_d = len(s.ctx) - 1
 
     # --------------------------------------------------------- context shift
@@ -475,11 +484,11 @@ class Router:
         for w, attr, pending in workers:
             held = getattr(s, attr)
             if held > n_keep + n_discard:
-                pending.append(w.seq_rm(s.seq, n_keep, n_keep + n_discard))
-                pending.append(w.seq_add(s.seq, n_keep + n_discard, -1, -n_discard))
+                pending.append(await w.seq_rm(s.seq, n_keep, n_keep + n_discard))
+                pending.append(await w.seq_add(s.seq, n_keep + n_discard, -1, -n_discard))
                 setattr(s, attr, held - n_discard)
             elif held > n_keep:
-                pending.append(w.seq_rm(s.seq, n_keep, -1))
+                pending.append(await w.seq_rm(s.seq, n_keep, -1))
                 setattr(s, attr, n_keep)
         del s.ctx[n_keep : n_keep + n_discard]
         s.res.n_shifts += 1
@@ -489,14 +498,19 @@ class Router:
         for fut in s.pending_t + s.pending_d:
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved: errors here no longer matter
-        futs = [self.target.clear(s.seq)]
+        futs = [await self.target.clear(s.seq)]
         if s.with_draft:
-            futs.append(self.draft.clear(s.seq))
+            futs.append(await self.draft.clear(s.seq))
         try:
             await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout=10)
         except Exception:  # the workers may be gone; the sequence is freed all the same
             log.warning("could not clear seq %d on the workers", s.seq)
         self.pool.release(s.seq)
+
+
+async def _done(issue):
+    """Issue an operation and wait for its result."""
+    return await (await issue)
 
 
 def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:
