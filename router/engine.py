@@ -41,6 +41,8 @@ class RouterSettings:
     p_min: float = 0.0
     checkpoint_mode: bool = False  # force checkpoints even where partial removal works
     check_alignment: bool = False
+    # draft the next step on the draft worker while the target verifies this one
+    overlap: bool = True
     max_queue: int = 64
     draft_wait: float = 60.0  # seconds to wait for a loading draft at start before serving target-only
 
@@ -89,6 +91,7 @@ class Result:
     n_steps: int = 0
     n_shifts: int = 0
     n_divergences: int = 0
+    n_ahead_used: int = 0  # steps whose drafts were computed during the previous verification
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
     draft_compute_seconds: float = 0.0
@@ -147,6 +150,10 @@ class _Session:
         self.ctx = list(params.prompt)
         self.n_t = 0  # tokens of ctx the target holds
         self.n_d = 0  # tokens of ctx the draft holds
+        # overlap: drafts the draft already computed past ctx (assuming all of
+        # the last step was accepted); the draft holds (ctx + ahead)[:ahead_held]
+        self.ahead: list[int] = []
+        self.ahead_held = 0
         self.res = Result(n_prompt=len(params.prompt))
         self.with_draft = False  # the draft holds (or held) this sequence
         # pipelined operations not awaited yet, per worker
@@ -341,10 +348,15 @@ class Router:
             s.n_t = n - 1
 
         drafts: list[int] = []
-        held_d = s.n_d
-        ck_d = None
+        held_d = s.ahead_held if s.ahead else s.n_d  # over ctx + s.ahead
+        ck_d = cont = None
         t_draft = c_draft = 0.0
-        if k >= max(1, n_min):
+        if s.ahead and min(k, len(s.ahead)) >= max(1, n_min):
+            # drafted during the last verification, for exactly this context
+            drafts, held_d = s.ahead[:k], s.ahead_held
+            s.ahead = []
+            s.res.n_ahead_used += 1
+        elif k >= max(1, n_min):
             try:
                 if ckpt:
                     ck_d = await self.draft.checkpoint_save(seq)
@@ -358,6 +370,15 @@ class Router:
                 use_draft = self._draft_failed(s, exc)
                 drafts, ck_d = [], None
             t_draft = time.perf_counter() - t0
+        s.ahead = []
+
+        # Overlap: while the target verifies, let the draft continue after the
+        # last draft as if all were accepted; its first token guesses the
+        # target's own next token. Only proposals: the target verifies them.
+        next_k = min(n_max, self.n_ctx - (n + len(drafts) + 1), remaining - len(drafts) - 2)
+        if (self.settings.overlap and use_draft and drafts and not ckpt and next_k >= 1
+                and held_d == n + len(drafts) - 1):
+            cont = await self.draft.propose(seq, held_d, drafts[-1:], next_k + 1, 0, p_min)
 
         t1 = time.perf_counter()
         ck_t = (await self.target.checkpoint_save(seq)) if ckpt and drafts else None
@@ -376,7 +397,20 @@ class Router:
                 s.pending_t.append(await self.target.checkpoint_drop(handle))
         s.n_t = keep
 
-        if use_draft and held_d > s.n_d:
+        if cont is not None:
+            try:
+                c = await cont
+            except SpecdError as exc:
+                use_draft = self._draft_failed(s, exc)
+            else:
+                c_draft += c.compute_seconds
+                held_d = c.state.pos_max + 1  # over ctx + drafts + c.tokens
+                if a == len(drafts) and c.tokens and c.tokens[0] == out[-1]:
+                    # guessed right: ctx + out + c.tokens[1:] is what the draft holds a prefix of
+                    s.ahead, s.ahead_held = c.tokens[1:], held_d
+                    s.n_d = min(held_d, n + len(out))
+
+        if use_draft and not s.ahead and held_d > s.n_d:
             keep_d = min(held_d, keep)
             if ck_d is not None:
                 if held_d > keep_d:
@@ -457,7 +491,10 @@ class Router:
         if use_draft:
             if isinstance(states[1], BaseException):
                 return self._draft_failed(s, states[1])
-            problem = _mismatch(states[1], s.ctx, s.n_d)
+            if s.ahead:
+                problem = _mismatch(states[1], s.ctx + s.ahead, s.ahead_held)
+            else:
+                problem = _mismatch(states[1], s.ctx, s.n_d)
             if problem:
                 s.res.n_divergences += 1
                 log.error("draft worker diverged (seq %d): %s; re-syncing it from history", s.seq, problem)
@@ -466,7 +503,7 @@ class Router:
 
     async def _resync_draft(self, s: _Session) -> None:
         await _done(self.draft.clear(s.seq))
-        s.n_d = 0
+        s.n_d, s.ahead = 0, []
         if len(s.ctx) > 1:
             await _done(self.draft.decode(s.seq, 0, s.ctx[:-1]))
             s.n_d = len(s.ctx) - 1
@@ -478,6 +515,9 @@ class Router:
         n_discard = (n_past - n_keep) // 2
         if n_discard <= 0:
             raise FailedPrecondition("context shift cannot free any position")
+        if use_draft and s.ahead:  # lookahead drafts do not survive a shift
+            s.pending_d.append(await self.draft.seq_rm(s.seq, s.n_d, -1))
+            s.ahead = []
         workers = [(self.target, "n_t", s.pending_t)]
         if use_draft:
             workers.append((self.draft, "n_d", s.pending_d))

@@ -68,6 +68,7 @@ class RouterConfig(ServerConfig):
     p_min: float = 0.0
     checkpoint_mode: bool = False
     check_alignment: bool = False
+    overlap: bool = True
     max_queue: int = 64
     worker_timeout: float = 60.0
     draft_wait: float = 60.0
@@ -104,6 +105,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--p-min", float, 0.0, "default draft probability below which drafting stops")
     add(p, "--checkpoint-mode", bool, False, "use checkpoints instead of partial KV removal (forced)")
     add(p, "--check-alignment", bool, False, "compare both workers' sequences with the history after every step")
+    add(p, "--overlap", bool, True, "draft the next step while the target verifies this one")
     add(p, "--max-queue", int, 64, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, 60.0, "deadline of one worker call in seconds")
     add(p, "--draft-wait", float, 60.0, "at start, seconds to wait for a loading draft before serving target-only")
