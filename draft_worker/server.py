@@ -13,11 +13,7 @@ def make_engine(cfg: WorkerConfig):
     from draft_worker.engine import DraftModelEngine
     from specd.llama import LlamaConfig
 
-    return DraftModelEngine(
-        LlamaConfig(cfg.model, n_ctx_seq=cfg.n_ctx, n_seq=cfg.n_seq, n_threads=cfg.threads,
-                    n_batch=cfg.n_batch, n_gpu_layers=cfg.n_gpu_layers),
-        max_checkpoint_bytes=cfg.max_checkpoint_bytes,
-    )
+    return DraftModelEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)
 
 
 async def serve(cfg: WorkerConfig) -> None:

@@ -71,6 +71,7 @@ class StepStats:
     step_seconds: float
     draft_compute: float = 0.0  # of which the draft worker computed
     verify_compute: float = 0.0  # of which the target worker computed
+    critical_compute: float = 0.0  # worker compute on the step's critical path
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Result:
     draft_compute_seconds: float = 0.0
     verify_compute_seconds: float = 0.0
     steps_seconds: float = 0.0
+    critical_compute_seconds: float = 0.0
     speculative: bool = False
     accepted_per_pos: list[int] = field(default_factory=list)
 
@@ -350,7 +352,7 @@ class Router:
         drafts: list[int] = []
         held_d = s.ahead_held if s.ahead else s.n_d  # over ctx + s.ahead
         ck_d = cont = None
-        t_draft = c_draft = 0.0
+        t_draft = c_draft = c_cont = 0.0
         if s.ahead and min(k, len(s.ahead)) >= max(1, n_min):
             # drafted during the last verification, for exactly this context
             drafts, held_d = s.ahead[:k], s.ahead_held
@@ -403,7 +405,7 @@ class Router:
             except SpecdError as exc:
                 use_draft = self._draft_failed(s, exc)
             else:
-                c_draft += c.compute_seconds
+                c_cont = c.compute_seconds
                 held_d = c.state.pos_max + 1  # over ctx + drafts + c.tokens
                 if a == len(drafts) and c.tokens and c.tokens[0] == out[-1]:
                     # guessed right: ctx + out + c.tokens[1:] is what the draft holds a prefix of
@@ -436,8 +438,11 @@ class Router:
         use_draft = await self._settle(s, use_draft, wait=self.settings.check_alignment)
         if self.settings.check_alignment:
             use_draft = await self._check_alignment(s, use_draft)
-        stats = StepStats(len(drafts), a, t_draft, t_verify, time.perf_counter() - t0, c_draft, ver.compute_seconds)
-        s.res.draft_compute_seconds += c_draft
+        critical = c_draft + max(ver.compute_seconds, c_cont)  # the continuation runs beside the verification
+        stats = StepStats(len(drafts), a, t_draft, t_verify, time.perf_counter() - t0, c_draft + c_cont,
+                          ver.compute_seconds, critical)
+        s.res.critical_compute_seconds += critical
+        s.res.draft_compute_seconds += c_draft + c_cont
         s.res.verify_compute_seconds += ver.compute_seconds
         s.res.steps_seconds += stats.step_seconds
         for obs in self.step_observers:

@@ -74,4 +74,4 @@ async def serve(cfg: RouterConfig) -> None:
         if draft is not None:
             await draft.close()
 
-    await run_until_stopped(life, cfg.grace_seconds, close)
+    await run_until_stopped(life, cfg.grace_seconds, close, cfg.drain_seconds)

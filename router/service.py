@@ -36,7 +36,8 @@ def finish_pb(res: Result) -> rpb.Finish:
                         steps=res.n_steps, context_shifts=res.n_shifts),
         timing=rpb.Timing(prompt_seconds=res.prompt_seconds, generation_seconds=res.generation_seconds,
                           draft_compute_seconds=res.draft_compute_seconds,
-                          verify_compute_seconds=res.verify_compute_seconds, steps_seconds=res.steps_seconds),
+                          verify_compute_seconds=res.verify_compute_seconds, steps_seconds=res.steps_seconds,
+                          critical_compute_seconds=res.critical_compute_seconds),
         speculative=res.speculative,
     )
 

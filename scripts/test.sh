@@ -4,4 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash .ci/install-deploy-tools
+# a real Prometheus server for tests/test_prometheus.py (Debian's package)
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -38,6 +38,7 @@ class Run:
     draft_compute: float
     verify_compute: float
     steps_seconds: float
+    critical_compute: float
     tokens: list[int] = field(default_factory=list)
 
 
@@ -54,9 +55,7 @@ class Cell:
         steps = sum(r.n_steps for r in self.runs) or 1
         drafted = sum(r.n_drafted for r in self.runs)
         accepted = sum(r.n_accepted for r in self.runs)
-        per_step_overhead = [
-            (r.steps_seconds - r.draft_compute - r.verify_compute) / r.n_steps for r in self.runs if r.n_steps
-        ]
+        per_step_overhead = [(r.steps_seconds - r.critical_compute) / r.n_steps for r in self.runs if r.n_steps]
         return {
             "mode": self.mode, "draft": self.draft, "n_draft": self.n_draft,
             "tok_s_median": statistics.median(self.reps), "tok_s_min": min(self.reps), "tok_s_max": max(self.reps),
@@ -64,7 +63,10 @@ class Cell:
             "mean_accepted_length": gen / steps,
             "draft_ms_per_step": 1000 * sum(r.draft_compute for r in self.runs) / steps,
             "verify_ms_per_step": 1000 * sum(r.verify_compute for r in self.runs) / steps,
-            "overhead_ms_per_step_mean": 1000 * sum(r.steps_seconds - r.draft_compute - r.verify_compute for r in self.runs) / steps,
+            "critical_compute_ms_per_step": 1000 * sum(r.critical_compute for r in self.runs) / steps,
+            "overhead_ms_per_step_mean": 1000 * sum(r.steps_seconds - r.critical_compute for r in self.runs) / steps,
+            "overhead_share_of_step": sum(r.steps_seconds - r.critical_compute for r in self.runs)
+            / max(sum(r.steps_seconds for r in self.runs), 1e-9),
             "overhead_ms_per_step_median": 1000 * statistics.median(per_step_overhead) if per_step_overhead else None,
         }
 
@@ -110,7 +112,8 @@ def run_distributed(address: str, prompts: list[str], max_tokens: int, n_draft: 
         for p in prompts:
             c = client.generate(p, max_tokens=max_tokens, speculative=speculative, n_draft=n_draft)
             out.append(Run(c.n_generated, c.n_drafted, c.n_accepted, c.n_steps, c.generation_seconds,
-                           c.draft_compute_seconds, c.verify_compute_seconds, c.steps_seconds, c.tokens))
+                           c.draft_compute_seconds, c.verify_compute_seconds, c.steps_seconds,
+                           c.critical_compute_seconds, c.tokens))
     return out
 
 
@@ -146,7 +149,8 @@ class InProcess:
             async for step in router.generate(GenParams(prompt=prompt, max_tokens=max_tokens, n_max=n_draft), res):
                 toks += step.tokens
             out.append(Run(res.n_generated, res.n_drafted, res.n_accepted, res.n_steps, res.generation_seconds,
-                           res.draft_compute_seconds, res.verify_compute_seconds, res.steps_seconds, toks))
+                           res.draft_compute_seconds, res.verify_compute_seconds, res.steps_seconds,
+                           res.critical_compute_seconds, toks))
         await t.close()
         await d.close()
         return out
@@ -227,8 +231,8 @@ def bench(args) -> dict:
 
 def markdown(result: dict) -> str:
     head = ("| mode | draft | n_draft | tok/s median (min–max) | × target-only | distributed ÷ in-process | acceptance "
-            "| mean accepted length | draft ms/step | verify ms/step | router+RPC ms/step (median) |")
-    lines = [head, "|" + "---|" * 11]
+            "| mean accepted length | draft ms/step | verify ms/step | critical-path compute ms/step | router+RPC ms/step (median) | router+RPC share of step |")
+    lines = [head, "|" + "---|" * 13]
     for r in result["rows"]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "–"
         ratio = f"{r['distributed_over_in_process']:.3f}" if r.get("distributed_over_in_process") else "–"
@@ -236,7 +240,8 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {r['mode']} | {r['draft']} | {r['n_draft'] or '–'} | {r['tok_s_median']:.1f} ({r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}) "
             f"| {r['speedup_vs_target_only']:.2f} | {ratio} | {acc} | {r['mean_accepted_length']:.2f} "
-            f"| {r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {med:.2f} |"
+            f"| {r['draft_ms_per_step']:.1f} | {r['verify_ms_per_step']:.1f} | {r['critical_compute_ms_per_step']:.1f} "
+            f"| {med:.2f} | {100 * r['overhead_share_of_step']:.1f} % |"
         )
     s = result["settings"]
     lines.append("")

@@ -31,6 +31,7 @@ class Completion:
     draft_compute_seconds: float = 0.0
     verify_compute_seconds: float = 0.0
     steps_seconds: float = 0.0
+    critical_compute_seconds: float = 0.0
     wall_seconds: float = 0.0
     speculative: bool = False
 
@@ -93,6 +94,7 @@ def collect(stream, on_text: Callable[[str], None] | None = None) -> Completion:
             out.draft_compute_seconds = f.timing.draft_compute_seconds
             out.verify_compute_seconds = f.timing.verify_compute_seconds
             out.steps_seconds = f.timing.steps_seconds
+            out.critical_compute_seconds = f.timing.critical_compute_seconds
             out.speculative = f.speculative
     out.text = "".join(parts)
     out.wall_seconds = time.perf_counter() - t0

@@ -42,6 +42,7 @@ class ServerConfig:
     metrics_port: int = 0
     port_file: str = ""
     grace_seconds: float = 30.0
+    drain_seconds: float = 0.0
     log_level: str = "INFO"
 
 
@@ -80,6 +81,7 @@ def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     add(p, "--metrics-port", int, 0, "Prometheus /metrics HTTP port (0: off)")
     add(p, "--port-file", str, "", "write the bound gRPC port to this file once listening")
     add(p, "--grace-seconds", float, 30.0, "on SIGTERM, time given to in-flight calls")
+    add(p, "--drain-seconds", float, 0.0, "on SIGTERM, time health says NOT_SERVING before new calls are refused")
     add(p, "--log-level", str, "INFO", "logging level")
 
 

@@ -52,6 +52,12 @@ class LlamaConfig:
     n_gpu_layers: int = 0
     verbose: bool = False
 
+    @classmethod
+    def of_worker(cls, cfg) -> "LlamaConfig":
+        """From a specd.config.WorkerConfig."""
+        return cls(cfg.model, n_ctx_seq=cfg.n_ctx, n_seq=cfg.n_seq, n_threads=cfg.threads,
+                   n_batch=cfg.n_batch, n_gpu_layers=cfg.n_gpu_layers)
+
 
 class LlamaModel:
     """A llama.cpp model and context hosting `n_seq` sequences."""

@@ -47,8 +47,13 @@ class Lifecycle:
             except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread
                 pass
 
-    async def stop(self, grace: float) -> None:
+    async def stop(self, grace: float, drain: float = 0.0) -> None:
+        """NOT_SERVING first; after `drain` seconds (for load balancers and
+        readiness probes to notice) refuse new calls and give in-flight ones
+        `grace` seconds."""
         await self.set_serving(False)
+        if drain > 0:
+            await asyncio.sleep(drain)
         await self.server.stop(grace)
 
 
@@ -90,11 +95,12 @@ def start_metrics(port: int, registry, host: str = "0.0.0.0") -> None:
         log.info("metrics on %s:%d/metrics", host, port)
 
 
-async def run_until_stopped(life: Lifecycle, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+async def run_until_stopped(life: Lifecycle, grace: float, on_stop: Callable[[], Awaitable[None]] | None = None,
+                            drain: float = 0.0) -> None:
     life.install_signal_handlers()
     await life.stopping.wait()
-    log.info("shutting down (grace %.1fs)", grace)
-    await life.stop(grace)
+    log.info("shutting down (drain %.1fs, grace %.1fs)", drain, grace)
+    await life.stop(grace, drain)
     if on_stop is not None:
         await on_stop()
     log.info("stopped")

@@ -262,5 +262,5 @@ async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
         metrics.attach(runner.engine)
         await life.set_serving(True)
         log.info("%s worker ready: %s", cfg.role, runner.engine.info().description)
-    await run_until_stopped(life, cfg.grace_seconds, on_stop=lambda: asyncio.sleep(0))
+    await run_until_stopped(life, cfg.grace_seconds, drain=cfg.drain_seconds)
     runner.shutdown()

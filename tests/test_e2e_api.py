@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 import grpc
 import pytest
@@ -122,3 +122,22 @@ def test_draft_killed_mid_stream_degrades_to_target_only(cluster_factory):
         # later requests are served target-only, without error
         after = client.generate(prompt, max_tokens=20)
         assert after.tokens == base.tokens[:20]
+
+
+def test_target_killed_mid_stream_ends_with_unavailable(cluster_factory):
+    c = cluster_factory(n_ctx=1024, n_seq=1)
+    prompt = ", ".join(str(i) for i in range(1, 21)) + ","
+    with RouterClient(c.router_address) as client:
+        stream = client.stub.Generate(make_request(prompt, max_tokens=400), timeout=120)
+        assert next(stream).token_ids
+        c.procs["target"].popen.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stream)
+        assert time.monotonic() - t0 < 2.0
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "target" in err.value.details()
+        # new requests get a clear status too, not a hang
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("Hello", max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE

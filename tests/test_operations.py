@@ -4,7 +4,6 @@ SIGTERM lets an in-flight stream finish."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import urllib.request
 
@@ -75,7 +74,8 @@ def health(address: str) -> int | None:
 
 def test_router_health_follows_its_target_and_sigterm_drains(models, tmp_path):
     target_port = free_port()
-    router = Proc("router", ["router", "--port", "0", "--target", f"127.0.0.1:{target_port}", "--grace-seconds", "30"], tmp_path)
+    router = Proc("router", ["router", "--port", "0", "--target", f"127.0.0.1:{target_port}", "--grace-seconds", "30",
+                            "--drain-seconds", "3"], tmp_path)
     target = None
     try:
         address = f"127.0.0.1:{router.wait_port(time.monotonic() + 30)}"
@@ -91,6 +91,10 @@ def test_router_health_follows_its_target_and_sigterm_drains(models, tmp_path):
             stream = client.stub.Generate(make_request("1, 2, 3, 4,", max_tokens=120), timeout=120)
             first = next(stream)
             router.popen.send_signal(signal.SIGTERM)  # in-flight stream gets the grace period
+            deadline = time.monotonic() + 2
+            while health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:  # draining
+                assert time.monotonic() < deadline, "health did not say NOT_SERVING on SIGTERM"
+                time.sleep(0.05)
             rest = collect(stream)
         assert len(first.token_ids) + len(rest.tokens) == 120 and rest.finish_reason == "length"
         assert router.popen.wait(30) == 0

@@ -245,6 +245,7 @@ class Timing(_message.Message):
     DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     VERIFY_COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     STEPS_SECONDS_FIELD_NUMBER: _builtins.int
+    CRITICAL_COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     prompt_seconds: _builtins.float
     """Seconds spent processing the prompt (until the workers hold it)."""
     generation_seconds: _builtins.float
@@ -257,6 +258,11 @@ class Timing(_message.Message):
     """Sum of the wall time of every step; what is neither draft nor verify
     compute is router and RPC overhead.
     """
+    critical_compute_seconds: _builtins.float
+    """Of steps_seconds: worker compute on the critical path (drafting the
+    router waited for, plus verification or the overlapped drafting, whichever
+    took longer). steps_seconds minus this is router and RPC overhead.
+    """
     def __init__(
         self,
         *,
@@ -265,10 +271,11 @@ class Timing(_message.Message):
         draft_compute_seconds: _builtins.float = ...,
         verify_compute_seconds: _builtins.float = ...,
         steps_seconds: _builtins.float = ...,
+        critical_compute_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_compute_seconds", b"draft_compute_seconds", "generation_seconds", b"generation_seconds", "prompt_seconds", b"prompt_seconds", "steps_seconds", b"steps_seconds", "verify_compute_seconds", b"verify_compute_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["critical_compute_seconds", b"critical_compute_seconds", "draft_compute_seconds", b"draft_compute_seconds", "generation_seconds", b"generation_seconds", "prompt_seconds", b"prompt_seconds", "steps_seconds", b"steps_seconds", "verify_compute_seconds", b"verify_compute_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
