@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from specd.engine import ModelInfo, SeqState
-from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
+from specd.errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted,
+                          SpecdError, Unavailable)
 from specd.sampling import Sampling
 from specd.tokens import history_hash
 
@@ -475,6 +476,11 @@ class Router:
     def _draft_failed(self, s: _Session, exc: BaseException) -> bool:
         """Degrade to target-only decoding: the request goes on without the draft."""
         log.warning("draft worker failed for seq %d, continuing target-only: %s", s.seq, exc)
+        if isinstance(exc, (Unavailable, DeadlineExceeded)) and self.draft_up:
+            # the worker itself is gone or stuck: new sessions go target-only
+            # until the watcher sees it answer again
+            self.draft_up = False
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_draft())
         for fut in s.pending_d:
             if not fut.done():
                 fut.cancel()

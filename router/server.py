@@ -62,7 +62,7 @@ async def serve(cfg: RouterConfig) -> None:
         await life.stop(0)
         raise SystemExit(f"specd router: {exc}")
     if not life.stopping.is_set():
-        metrics.draft_up.set(1 if router.draft_up else 0)
+        metrics.draft_up.set_function(lambda: 1 if router.draft_up else 0)
         metrics.sessions_running.set_function(lambda: router.pool.n_running)
         metrics.sessions_queued.set_function(lambda: len(router.pool.waiters))
         servicer.ready = True

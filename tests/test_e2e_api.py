@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from specd.client import RouterClient, collect, make_request
-from specd.launcher import Cluster, ClusterSpec, ProcessDied
+from specd.launcher import Cluster, ClusterSpec, Proc, ProcessDied
 from specd.models import gemma3_model
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
@@ -106,7 +106,7 @@ def test_mismatched_vocabularies_refuse_to_start(models):
     assert os.path.basename(models["target"]) in msg and os.path.basename(gemma) in msg
 
 
-def test_draft_killed_mid_stream_degrades_to_target_only(cluster_factory):
+def test_draft_killed_mid_stream_degrades_to_target_only(cluster_factory, models):
     c = cluster_factory(n_ctx=1024, n_seq=1)
     prompt = ", ".join(str(i) for i in range(1, 21)) + ","
     with RouterClient(c.router_address) as client:
@@ -119,9 +119,21 @@ def test_draft_killed_mid_stream_degrades_to_target_only(cluster_factory):
         tokens = list(first.token_ids) + rest.tokens
         assert tokens == base.tokens
         assert rest.finish_reason == "length" and rest.n_generated == 160
-        # later requests are served target-only, without error
+        # later requests are served target-only, without error, and the router says the draft is down
         after = client.generate(prompt, max_tokens=20)
-        assert after.tokens == base.tokens[:20]
+        assert after.tokens == base.tokens[:20] and not after.speculative
+        assert not client.info().draft_up
+        # a draft coming back on the same address is attached again and used
+        port = int(c.procs["draft"].port_file.read_text())
+        c.procs["draft"] = Proc("draft2", ["draft", "--model", models["draft"], "--port", str(port), "--threads", "1",
+                                           "--n-ctx", "1024", "--n-seq", "1"], c.workdir)
+        deadline = time.monotonic() + 60
+        while not client.info().draft_up:
+            assert time.monotonic() < deadline, c.procs["draft"].log_tail()
+            time.sleep(0.5)
+        again = client.generate(prompt, max_tokens=40)
+        assert again.speculative and again.n_accepted > 0
+        assert again.tokens == base.tokens[:40]
 
 
 def test_target_killed_mid_stream_ends_with_unavailable(cluster_factory):
