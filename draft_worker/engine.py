@@ -13,7 +13,6 @@ import numpy as np
 
 from specd.engine import ModelInfo, SeqState, WorkerEngine
 from specd.errors import InvalidArgument
-from specd.llama import LlamaConfig
 from specd.model_engine import ModelEngine
 from specd.sampling import top_probability
 

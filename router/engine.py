@@ -147,7 +147,7 @@ class SeqPool:
 
 
 class _Session:
-    def __init__(self, seq: int, params: GenParams):
+    def __init__(self, seq: int, params: GenParams, result: Result):
         self.seq = seq
         self.p = params
         self.ctx = list(params.prompt)
@@ -157,7 +157,8 @@ class _Session:
         # the last step was accepted); the draft holds (ctx + ahead)[:ahead_held]
         self.ahead: list[int] = []
         self.ahead_held = 0
-        self.res = Result(n_prompt=len(params.prompt))
+        self.res = result
+        result.n_prompt = len(params.prompt)
         self.with_draft = False  # the draft holds (or held) this sequence
         # pipelined operations not awaited yet, per worker
         self.pending_t: list[asyncio.Future] = []
@@ -268,9 +269,7 @@ class Router:
         Closing the iterator early (cancel, stop string) frees the sequence."""
         self.validate(p)
         seq = await self.pool.acquire()
-        s = _Session(seq, p)
-        s.res = result
-        result.n_prompt = len(p.prompt)
+        s = _Session(seq, p, result)
         use_draft = self.draft is not None and self.draft_up and p.speculative is not False
         result.speculative = s.with_draft = use_draft
         try:

@@ -60,7 +60,7 @@ async def serve(cfg: RouterConfig) -> None:
     except FailedPrecondition as exc:
         log.error("refusing to start: %s", exc)
         await life.stop(0)
-        raise SystemExit(f"specd router: {exc}")
+        raise SystemExit(f"specd router: {exc}") from None
     if not life.stopping.is_set():
         metrics.draft_up.set_function(lambda: 1 if router.draft_up else 0)
         metrics.sessions_running.set_function(lambda: router.pool.n_running)

@@ -19,7 +19,7 @@ import pathlib
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 

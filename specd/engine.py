@@ -68,8 +68,6 @@ class _Checkpoint:
 class EngineStats:
     """Counters a metrics exporter reads."""
 
-    decode_calls: int = 0
-    decode_tokens: int = 0
     checkpoint_bytes: int = 0
 
 
@@ -171,8 +169,6 @@ class WorkerEngine:
     def _decode_tracked(self, seq_id: int, pos: int, toks: np.ndarray) -> None:
         self._kv_decode(seq_id, pos, toks)
         self.seqs[seq_id].append(pos, toks)
-        self.stats.decode_calls += 1
-        self.stats.decode_tokens += len(toks)
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> SeqState:
         seq = self._check_seq(seq_id)

@@ -80,7 +80,6 @@ class RouterPrometheus:
         self.num_accepted = Counter("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft", ["position"], registry=r)
         self.rpc_latency = Histogram("specd_worker_rpc_latency_seconds", "Worker call latency seen by the router", ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.divergences = Counter("specd_alignment_divergences", "Worker sequences found out of step with the router's history", ["worker"], registry=r)
         self.sessions_running = Gauge("specd_sessions_running", "Sessions holding a sequence", registry=r)
         self.sessions_queued = Gauge("specd_sessions_queued", "Sessions waiting for a sequence", registry=r)
         self.draft_up = Gauge("specd_draft_worker_up", "1 when the draft worker is in use", registry=r)

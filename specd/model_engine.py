@@ -60,8 +60,6 @@ class ModelEngine(WorkerEngine):
         """Decode (already validated) tokens, track them, return the logits view."""
         logits = self._run_decode(seq_id, pos, tokens, n_logits)
         self.seqs[seq_id].append(pos, tokens)
-        self.stats.decode_calls += 1
-        self.stats.decode_tokens += len(tokens)
         return logits
 
     def _kv_rm(self, seq_id: int, p0: int, p1: int) -> None:

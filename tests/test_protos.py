@@ -1,5 +1,4 @@
 """The committed stubs are what grpcio-tools generates from protos/ now."""
-import pathlib
 
 from specd import protogen
 

@@ -3,7 +3,6 @@ overlap on and off agree, and sampled output follows the target's distribution."
 from __future__ import annotations
 
 import asyncio
-import collections
 
 import numpy as np
 import pytest
@@ -48,7 +47,7 @@ def test_overlap_matches_sequential_and_is_used(engines):
     seq = run(engines, RouterSettings(check_alignment=True, overlap=False), params)
     ovl = run(engines, RouterSettings(check_alignment=True, overlap=True), params)
     base = run(engines, RouterSettings(), [GenParams(prompt=p, max_tokens=40, speculative=False) for p in prompts])
-    for (a, ra), (b, rb), (c, _) in zip(seq, ovl, base):
+    for (a, ra), (b, _), (c, _) in zip(seq, ovl, base):
         assert a == b == c
         assert ra.n_ahead_used == 0
     assert sum(r.n_ahead_used for _, r in ovl) > 0

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.launcher import Proc
-from specd.tokens import history_hash, token_hash
+from specd.tokens import history_hash
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
 
