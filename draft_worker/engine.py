@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specd.engine import ModelInfo, SeqState, WorkerEngine
+from specd.engine import ModelInfo, SeqState, Steps, WorkerEngine
 from specd.errors import InvalidArgument
 from specd.model_engine import ModelEngine
 from specd.sampling import top_probability
@@ -38,8 +38,10 @@ def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
 class _ProposeMixin:
     """Validation and the n_min cut shared by both draft engines."""
 
+    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> ProposeResult:
+        return self.run_one(self.propose_steps(seq_id, pos, tokens, n_max, n_min, p_min))
+
     def _begin(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
-        self._t0 = time.perf_counter()
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         check_propose_params(n_max, n_min, p_min)
@@ -48,23 +50,26 @@ class _ProposeMixin:
         room = self.n_ctx_seq - (pos + len(toks))
         return toks, max(0, min(n_max, room + 1))
 
-    def _finish(self, seq_id: int, end: int, drafts: list[int], n_min: int) -> ProposeResult:
+    def _finish(self, seq_id: int, end: int, drafts: list[int], n_min: int, t0: float) -> ProposeResult:
         if len(drafts) < n_min:
             drafts = []
         keep = end + max(len(drafts) - 1, 0)
         if self.seqs[seq_id].pos_max + 1 > keep and self.can_rm_partial:
             self.seq_rm(seq_id, keep, -1)
-        return ProposeResult(drafts, self.state(seq_id), time.perf_counter() - self._t0)
+        return ProposeResult(drafts, self.state(seq_id), time.perf_counter() - t0)
 
 
 class DraftModelEngine(_ProposeMixin, ModelEngine):
     """Greedy drafting with a small llama.cpp model (common_speculative_draft)."""
 
-    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> ProposeResult:
+    def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> Steps:
+        """Propose as steps: each draft token is one decode, shared with the
+        other sequences drafting at the same time."""
+        t0 = time.perf_counter()
         toks, n_max = self._begin(seq_id, pos, tokens, n_max, n_min, p_min)
         self.check_batch(len(toks))
         end = pos + len(toks)
-        logits = self.decode_logits(seq_id, pos, toks, 1)
+        logits = yield from self._decode_g(seq_id, pos, toks, 1)
         drafts: list[int] = []
         while len(drafts) < n_max:
             tok, p = top_probability(logits[0])
@@ -73,8 +78,8 @@ class DraftModelEngine(_ProposeMixin, ModelEngine):
             drafts.append(tok)
             if len(drafts) == n_max:
                 break
-            logits = self.decode_logits(seq_id, end + len(drafts) - 1, np.array([tok], dtype=np.int32), 1)
-        return self._finish(seq_id, end, drafts, n_min)
+            logits = yield from self._decode_g(seq_id, end + len(drafts) - 1, np.array([tok], dtype=np.int32), 1)
+        return self._finish(seq_id, end, drafts, n_min, t0)
 
 
 class NgramEngine(_ProposeMixin, WorkerEngine):
@@ -97,17 +102,18 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
             can_shift=True, n_swa=0, eog_tokens=(), add_bos=False, n_threads=1, model_path="",
         )
 
-    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> ProposeResult:
+    def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> Steps:
+        t0 = time.perf_counter()
         toks, n_max = self._begin(seq_id, pos, tokens, n_max, n_min, p_min)
-        self._decode_tracked(seq_id, pos, toks)
+        yield from self._decode_g(seq_id, pos, toks, 0)
         end = pos + len(toks)
         history = self.seqs[seq_id].tokens()
         proposer = self.proposers[seq_id]
         proposer.observe(history)
         drafts = [int(t) for t in proposer.propose(history, n_max)][:n_max] if n_max else []
         if len(drafts) > 1:
-            self._decode_tracked(seq_id, end, np.asarray(drafts[:-1], dtype=np.int32))
-        return self._finish(seq_id, end, drafts, n_min)
+            yield from self._decode_g(seq_id, end, np.asarray(drafts[:-1], dtype=np.int32), 0)
+        return self._finish(seq_id, end, drafts, n_min, t0)
 
     def clear(self, seq_id: int) -> None:
         super().clear(seq_id)

@@ -140,6 +140,8 @@ class GrpcWorker(_Ops):
         self._stub = pb_grpc.WorkerStub(self.channel)
         self._pending: collections.deque[asyncio.Future] = collections.deque()
         self._reader: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+        self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
 
     # ---------------------------------------------------------------- unary
@@ -168,18 +170,22 @@ class GrpcWorker(_Ops):
             self._open()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        # gRPC allows one write in flight per stream: sessions hand their
+        # operations to the stream's writer, which keeps their order
         self._pending.append(fut)
-        try:
-            await self._call.write(op)
-        except Exception as exc:  # the stream is broken: the reader fails what is pending
-            self._call.cancel()
-            if not fut.done():
-                fut.set_exception(errors.Unavailable(f"{self.name} worker at {self.address}: {exc!r}"))
-                fut.exception()
-            return fut
+        self._outbox.put_nowait(op)
         timer = loop.call_later(self.timeout, self._expire, fut, name)
         fut.add_done_callback(lambda _: timer.cancel())
         return fut
+
+    async def _write(self, call, outbox: asyncio.Queue) -> None:
+        try:
+            while True:
+                await call.write(await outbox.get())
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # the stream is broken: cancelling it makes the reader fail what is pending
+            call.cancel()
 
     def _expire(self, fut: asyncio.Future, name: str) -> None:
         """A call past its deadline: the worker is stuck. Fail everything in
@@ -194,7 +200,12 @@ class GrpcWorker(_Ops):
 
     def _open(self) -> None:
         call = self._call = self._stub.Execute()
-        self._reader = asyncio.get_running_loop().create_task(self._read(call))
+        if self._writer is not None:
+            self._writer.cancel()
+        self._outbox = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write(call, self._outbox))
+        self._reader = loop.create_task(self._read(call))
 
     async def _read(self, call) -> None:
         try:
@@ -223,6 +234,8 @@ class GrpcWorker(_Ops):
     async def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
+        if self._writer is not None:
+            self._writer.cancel()
         if self._reader is not None:
             self._reader.cancel()
             try:

@@ -11,13 +11,22 @@ thread.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Generator
 
 import numpy as np
 
-from specd.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specd.errors import (FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange, ResourceExhausted,
+                          SpecdError)
 from specd.tokens import SeqTokens, range_mask
+
+
+log = logging.getLogger("specd.worker")
+
+# An operation written as a generator: it yields the decodes it needs as
+# (seq_id, pos, tokens, n_logits), receives their logits, returns its result.
+Steps = Generator[tuple, Any, Any]
 
 
 @dataclass
@@ -160,15 +169,70 @@ class WorkerEngine:
         return SeqState(seq_id, pos_min, pos_max, len(seq), seq.hash())
 
     def decode(self, seq_id: int, pos: int, tokens) -> SeqState:
+        return self.run_one(self.decode_steps(seq_id, pos, tokens))
+
+    def decode_steps(self, seq_id: int, pos: int, tokens) -> Steps:
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         self._check_append(seq, pos, len(toks))
-        self._decode_tracked(seq_id, pos, toks)
+        yield from self._decode_g(seq_id, pos, toks, 0)
         return self.state(seq_id)
 
-    def _decode_tracked(self, seq_id: int, pos: int, toks: np.ndarray) -> None:
+    def _decode_g(self, seq_id: int, pos: int, toks: np.ndarray, n_logits: int) -> Steps:
+        """Decode validated tokens and track them; a generator so that a
+        model engine can merge it with other sequences' decodes (it yields
+        (seq_id, pos, tokens, n_logits) and receives the logits)."""
         self._kv_decode(seq_id, pos, toks)
         self.seqs[seq_id].append(pos, toks)
+        return None
+        yield  # noqa: unreachable - makes this a generator
+
+    # --------------------------------------------------------------- batching
+    def run_one(self, steps: Steps):
+        """Run one operation's steps; its errors propagate."""
+        out = self.run_batch([steps])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def run_batch(self, ops: list[Steps]) -> list:
+        """Run operations on distinct sequences together: every round, the
+        decodes all of them ask for go to the model as one batch
+        (continuous batching). Returns each operation's result, or the
+        SpecdError it raised; one operation's error does not touch the others."""
+        results: list = [None] * len(ops)
+        waiting: dict[int, tuple] = {}
+
+        def advance(i: int, value=None, exc: BaseException | None = None) -> None:
+            try:
+                req = ops[i].throw(exc) if exc is not None else ops[i].send(value)
+            except StopIteration as stop:
+                results[i] = stop.value
+            except SpecdError as err:
+                results[i] = err
+            except Exception as err:  # a bug: this operation fails, the others and the worker go on
+                log.exception("operation failed")
+                results[i] = Internal(f"{type(err).__name__}: {err}")
+            else:
+                waiting[i] = req
+
+        for i in range(len(ops)):
+            advance(i)
+        while waiting:
+            idx = list(waiting)
+            parts = [waiting.pop(i) for i in idx]
+            try:
+                logits = self._decode_parts(parts)
+            except SpecdError as err:
+                for i in idx:
+                    advance(i, exc=err)
+                continue
+            for i, lg in zip(idx, logits):
+                advance(i, lg)
+        return results
+
+    def _decode_parts(self, parts: list[tuple]) -> list:
+        raise Internal("this engine has no model to decode with")
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> SeqState:
         seq = self._check_seq(seq_id)

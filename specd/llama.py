@@ -155,6 +155,42 @@ class LlamaModel:
         arr.flags.writeable = False
         return arr
 
+    def decode_multi(self, parts) -> list[np.ndarray | None]:
+        """Decode several sequences' tokens in one llama_decode, as llama.cpp's
+        server batches its slots. `parts` is a list of (seq_id, pos, tokens,
+        n_logits) with distinct seq_ids and at most n_batch tokens in all.
+
+        Returns, per part, a read-only view (n_logits, n_vocab) of the logits
+        of its last n_logits tokens (None when n_logits == 0), valid until
+        the next decode.
+        """
+        n = 0
+        for seq_id, pos, tokens, n_logits in parts:
+            m = len(tokens)
+            self._b_token[n : n + m] = tokens
+            self._b_pos[n : n + m] = np.arange(pos, pos + m, dtype=np.int32)
+            self._b_seq[n : n + m] = seq_id
+            self._b_logits[n : n + m] = 0
+            if n_logits > 0:
+                self._b_logits[n + m - n_logits : n + m] = 1
+            n += m
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"decode_multi of {n} tokens (n_batch {self.n_batch})")
+        self._batch.n_tokens = n
+        rc = L.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise DecodeError(f"llama_decode returned {rc} ({len(parts)} sequences, {n} tokens)")
+        n_out = sum(p[3] for p in parts)
+        out: list[np.ndarray | None] = []
+        if n_out:
+            arr = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+            arr.flags.writeable = False
+        row = 0
+        for *_, n_logits in parts:
+            out.append(arr[row : row + n_logits] if n_logits else None)
+            row += n_logits
+        return out
+
     # ---------------------------------------------------------------- memory
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         return bool(L.llama_memory_seq_rm(self._mem, seq_id, p0, p1))

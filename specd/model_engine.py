@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from specd.engine import ModelInfo, WorkerEngine
+from specd.engine import ModelInfo, Steps, WorkerEngine
 from specd.errors import Internal, InvalidArgument, ResourceExhausted
 from specd.llama import DecodeError, LlamaConfig, LlamaModel
 
@@ -41,26 +41,45 @@ class ModelEngine(WorkerEngine):
         )
 
     # ------------------------------------------------------------- storage
-    def _run_decode(self, seq_id: int, pos: int, tokens: np.ndarray, n_logits: int):
-        t0 = time.perf_counter()
-        try:
-            out = self.model.decode(seq_id, pos, tokens, n_logits)
-        except DecodeError as exc:
-            # a partially applied batch must not stay behind
-            self.model.seq_rm(seq_id, pos, -1)
-            raise ResourceExhausted(f"decode failed: {exc}") from exc
-        if self.on_decode is not None:
-            self.on_decode(len(tokens), time.perf_counter() - t0)
-        return out
-
-    def _kv_decode(self, seq_id: int, pos: int, tokens: np.ndarray) -> None:
-        self._run_decode(seq_id, pos, tokens, 0)
-
-    def decode_logits(self, seq_id: int, pos: int, tokens: np.ndarray, n_logits: int) -> np.ndarray:
-        """Decode (already validated) tokens, track them, return the logits view."""
-        logits = self._run_decode(seq_id, pos, tokens, n_logits)
-        self.seqs[seq_id].append(pos, tokens)
+    def _decode_g(self, seq_id: int, pos: int, toks: np.ndarray, n_logits: int) -> Steps:
+        logits = yield (seq_id, pos, toks, n_logits)
+        self.seqs[seq_id].append(pos, toks)
         return logits
+
+    def _decode_parts(self, parts: list[tuple]) -> list:
+        """Decode the parts in as few llama_decode calls as n_batch allows.
+        Logits of all but the last call are copied (the next call reuses the
+        buffer). A failed call leaves none of its parts behind."""
+        groups: list[list[int]] = []
+        size = 0
+        for i, p in enumerate(parts):
+            n = len(p[2])
+            if groups and size + n <= self.model.n_batch:
+                groups[-1].append(i)
+                size += n
+            else:
+                groups.append([i])
+                size = n
+        out: list = [None] * len(parts)
+        for g, idx in enumerate(groups):
+            t0 = time.perf_counter()
+            try:
+                if len(idx) == 1:  # may exceed n_batch: model.decode splits it
+                    seq_id, pos, toks, n_logits = parts[idx[0]]
+                    logits = [self.model.decode(seq_id, pos, toks, n_logits)]
+                else:
+                    logits = self.model.decode_multi([parts[i] for i in idx])
+            except DecodeError as exc:
+                for i in range(len(parts)):  # a partially applied batch must not stay behind
+                    seq_id, pos = parts[i][0], parts[i][1]
+                    self.model.seq_rm(seq_id, pos, -1)
+                raise ResourceExhausted(f"decode failed: {exc}") from exc
+            if self.on_decode is not None:
+                self.on_decode(sum(len(parts[i][2]) for i in idx), time.perf_counter() - t0)
+            last = g == len(groups) - 1
+            for i, lg in zip(idx, logits):
+                out[i] = lg if last or lg is None else lg.copy()
+        return out
 
     def _kv_rm(self, seq_id: int, p0: int, p1: int) -> None:
         if not self.model.seq_rm(seq_id, p0, p1):

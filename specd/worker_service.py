@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import grpc
 
 from specd.engine import CheckpointInfo, ModelInfo, SeqState
-from specd.errors import SpecdError, Unavailable, Unimplemented
+from specd.errors import SpecdError, Unimplemented
 from specd.sampling import Sampling
+from specd.scheduler import EngineRunner, Scheduler, Window, op_key
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
 
@@ -87,35 +87,58 @@ OPS: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
 }
 
 
-class EngineRunner:
-    """Runs engine calls one at a time.
+def _steps(kind: str, e, r):
+    """The batchable operations as engine steps (see WorkerEngine.run_batch)."""
+    if kind == "decode":
+        return e.decode_steps(r.seq_id, r.pos, r.tokens)
+    if kind == "verify":
+        if not hasattr(e, "verify_steps"):
+            raise Unimplemented("Verify is served by the target worker only")
+        return e.verify_steps(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim)
+    if not hasattr(e, "propose_steps"):
+        raise Unimplemented("Propose is served by the draft worker only")
+    return e.propose_steps(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min)
 
-    Small calls run inline on the event loop: a thread handoff costs more
-    than they do (about 0.5 ms a round trip here). Calls that decode many
-    tokens (prefill) run on a dedicated thread so health checks and other
-    streams are not held up; a lock keeps the two paths from overlapping.
-    """
 
-    INLINE_MAX_TOKENS = 64
+def _result_pb(kind: str, res) -> pb.WorkerResult:
+    if kind == "verify":
+        return pb.WorkerResult(verify=pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state),
+                                                        compute_seconds=res.compute_seconds))
+    if kind == "propose":
+        return pb.WorkerResult(propose=pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state),
+                                                          compute_seconds=res.compute_seconds))
+    return pb.WorkerResult(state=state_pb(res))
 
-    def __init__(self, engine=None):
-        self.engine = engine  # None while the model loads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._lock = asyncio.Lock()
 
-    async def load(self, make_engine: Callable[[], Any]) -> None:
-        self.engine = await asyncio.get_running_loop().run_in_executor(self._pool, make_engine)
+def _error_pb(kind: str | None, exc: SpecdError) -> pb.WorkerResult:
+    return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=f"{kind}: {exc.message}"))
 
-    async def run(self, fn: Callable[[Any, Any], Any], request, n_tokens: int | None = None) -> Any:
-        if self.engine is None:
-            raise Unavailable("the worker is still loading its model")
-        async with self._lock:
-            if n_tokens is not None and n_tokens <= self.INLINE_MAX_TOKENS:
-                return fn(self.engine, request)
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.engine, request)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+def run_round(engine, window: Window) -> list[pb.WorkerResult]:
+    """One scheduler round on the engine thread: bookkeeping first, then the
+    batch's decodes together."""
+    out = [_execute_one(engine, op) for op in window.pre]
+    kinds = [op.WhichOneof("op") for op in window.batch]
+    slots: list[pb.WorkerResult | None] = []
+    steps = []
+    for kind, op in zip(kinds, window.batch):
+        try:
+            steps.append(_steps(kind, engine, getattr(op, kind)))
+            slots.append(None)
+        except SpecdError as exc:
+            slots.append(_error_pb(kind, exc))
+    results = iter(engine.run_batch(steps))
+    for kind, slot in zip(kinds, slots):
+        if slot is None:
+            res = next(results)
+            slot = _error_pb(kind, res) if isinstance(res, SpecdError) else _result_pb(kind, res)
+        out.append(slot)
+    return out
+
+
+def _op_key(op: pb.WorkerOp):
+    kind = op.WhichOneof("op")
+    return op_key(kind, getattr(getattr(op, kind), "seq_id", None) if kind else None)
 
 
 def op_tokens(op: pb.WorkerOp) -> int:
@@ -156,6 +179,7 @@ def _execute_one(engine, op: pb.WorkerOp) -> pb.WorkerResult:
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, runner: EngineRunner):
         self.runner = runner
+        self.scheduler: Scheduler | None = None  # made on first use, on the server's event loop
 
     async def GetModelInfo(self, request, context):
         return await _unary(self.runner, lambda e, r: model_info_pb(e.info()), request, context)
@@ -204,15 +228,38 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return await _unary(self.runner, fn, request, context)
 
     async def Execute(self, request_iterator, context):
-        while True:
-            op = await context.read()
-            if op is grpc.aio.EOF:
-                return
-            try:
-                res = await self.runner.run(_execute_one, op, op_tokens(op))
-            except SpecdError as exc:
-                res = pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=exc.message))
-            await context.write(res)
+        """Ops go to the shared scheduler as they arrive (so they can batch with
+        other streams' and sequences'); results go back in this stream's order."""
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens)
+        results: asyncio.Queue = asyncio.Queue()
+
+        async def write_results() -> None:
+            while True:
+                fut = await results.get()
+                if fut is None:
+                    return
+                try:
+                    res = await fut
+                except SpecdError as exc:
+                    res = pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=exc.message))
+                except Exception as exc:
+                    log.exception("operation failed")
+                    res = pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode.INTERNAL.value[0],
+                                                           message=f"{type(exc).__name__}: {exc}"))
+                await context.write(res)
+
+        writer = asyncio.get_running_loop().create_task(write_results())
+        try:
+            while True:
+                op = await context.read()
+                if op is grpc.aio.EOF:
+                    break
+                results.put_nowait(self.scheduler.submit(op))
+            results.put_nowait(None)
+            await writer
+        finally:
+            writer.cancel()
 
 
 def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str) -> list[str]:

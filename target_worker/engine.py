@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specd.engine import SeqState
+from specd.engine import SeqState, Steps
 from specd.errors import FailedPrecondition, InvalidArgument
 from specd.model_engine import ModelEngine
 from specd.sampling import Sampling, accept
@@ -21,6 +21,11 @@ class VerifyResult:
 
 class TargetEngine(ModelEngine):
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool) -> VerifyResult:
+        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim))
+
+    def verify_steps(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int,
+                     trim: bool) -> Steps:
+        """Verify as steps, so verifications of several sequences share one batch."""
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         sampling.validate()
@@ -32,7 +37,7 @@ class TargetEngine(ModelEngine):
         if trim and n_draft > 0 and not self.can_rm_partial:
             raise FailedPrecondition("trim needs partial removal, which this model lacks; verify with checkpoints")
         t0 = time.perf_counter()
-        logits = self.decode_logits(seq_id, pos, toks, len(toks))
+        logits = yield from self._decode_g(seq_id, pos, toks, len(toks))
         out = accept(logits, toks[1:].tolist(), sampling, sample_index)
         n_accepted = len(out) - 1
         if trim and n_accepted < n_draft:
