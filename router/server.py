@@ -6,6 +6,7 @@ import logging
 
 from router.clients import GrpcWorker
 from router.engine import Router, RouterSettings
+from router.limits import Limits
 from router.service import RouterServicer
 from specd.config import RouterConfig
 from specd.errors import FailedPrecondition, SpecdError
@@ -48,6 +49,12 @@ async def serve(cfg: RouterConfig) -> None:
         raise ConfigError("specd router: --worker-tls-server-name needs --worker-tls-ca (or a client certificate)")
     server_creds = server_credentials_of(cfg)
     interceptors = [ApiKeyInterceptor(load_api_keys(cfg.api_key_file))] if cfg.api_key_file else None
+    if cfg.max_message_bytes <= 0:
+        raise ConfigError(f"specd router: --max-message-bytes must be > 0, got {cfg.max_message_bytes}")
+    try:
+        limits = Limits.of(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"specd router: {exc}") from None
 
     def worker(address: str, name: str) -> GrpcWorker:
         return GrpcWorker(address, name, timeout=cfg.worker_timeout, credentials=worker_creds,
@@ -58,14 +65,14 @@ async def serve(cfg: RouterConfig) -> None:
     router = Router(target, draft, settings_of(cfg))
     metrics = RouterPrometheus()
     router.step_observers.append(metrics.observe_step)
-    servicer = RouterServicer(router, metrics)
+    servicer = RouterServicer(router, metrics, limits)
 
     def register(server):
         rpb_grpc.add_RouterServicer_to_server(servicer, server)
         return [rpb.DESCRIPTOR.services_by_name["Router"].full_name]
 
     life = await start_server(cfg.host, cfg.port, register, cfg.port_file, interceptors=interceptors,
-                              credentials=server_creds)
+                              credentials=server_creds, max_receive_bytes=cfg.max_message_bytes)
     start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
     life.install_signal_handlers()
     try:

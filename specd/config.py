@@ -82,8 +82,12 @@ class RouterConfig(ServerConfig):
     worker_tls_key: str = ""
     worker_tls_ca: str = ""
     worker_tls_server_name: str = ""
-    # public API: authentication
+    # public API: authentication and limits
     api_key_file: str = ""
+    max_prompt_tokens: int = 0
+    max_tokens_limit: int = 0
+    max_message_bytes: int = 4 << 20
+    request_timeout: float = 0.0
 
 
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -133,6 +137,11 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--worker-tls-server-name", str, "", "name expected in the workers' certificates when it is not their host")
     add(p, "--api-key-file", str, "", "file of API keys, one a line; every Router call must then carry "
         "`authorization: Bearer KEY` or `x-api-key: KEY`")
+    add(p, "--max-prompt-tokens", int, 0, "largest prompt in tokens (0: the context size)")
+    add(p, "--max-tokens-limit", int, 0, "largest max_tokens of a request; also caps requests that leave it unset (0: none)")
+    add(p, "--max-message-bytes", int, 4 << 20, "largest request message in bytes (gRPC answers RESOURCE_EXHAUSTED)")
+    add(p, "--request-timeout", float, 0.0, "longest a Generate may run in seconds (0: no limit; "
+        "the client's own gRPC deadline always applies)")
 
 
 def build(cls, args: argparse.Namespace, **extra):
