@@ -130,13 +130,21 @@ _REQUEST_TYPES = {
 class GrpcWorker(_Ops):
     """A worker process reached over gRPC; hot-path calls share one stream."""
 
-    def __init__(self, address: str, name: str, channel: grpc.aio.Channel | None = None, timeout: float = 30.0):
+    def __init__(self, address: str, name: str, channel: grpc.aio.Channel | None = None, timeout: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+        """`credentials` (specd.security.channel_credentials): TLS, with a
+        client certificate for workers that require one (mTLS); None: plaintext.
+        `server_name`: the name to expect in the worker's certificate when it
+        is not the host of `address`."""
         self.address = address
         self.name = name
         self.timeout = timeout
-        self.channel = channel or grpc.aio.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        if channel is None and credentials is not None:
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            channel = grpc.aio.secure_channel(address, credentials, options=options)
+        self.channel = channel or grpc.aio.insecure_channel(address, options=options)
         self._stub = pb_grpc.WorkerStub(self.channel)
         self._pending: collections.deque[asyncio.Future] = collections.deque()
         self._reader: asyncio.Task | None = None

@@ -6,10 +6,12 @@ import logging
 
 from router.clients import GrpcWorker
 from router.engine import Router, RouterSettings
+from router.limits import Limits
 from router.service import RouterServicer
 from specd.config import RouterConfig
 from specd.errors import FailedPrecondition, SpecdError
 from specd.metrics import RouterPrometheus
+from specd.security import ApiKeyInterceptor, ConfigError, channel_credentials, load_api_keys, server_credentials_of
 from specd.server import run_until_stopped, start_metrics, start_server
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
@@ -41,18 +43,36 @@ async def connect(router: Router, stopping: asyncio.Event) -> None:
 async def serve(cfg: RouterConfig) -> None:
     if not cfg.target:
         raise SystemExit("specd router: --target HOST:PORT is required")
-    target = GrpcWorker(cfg.target, "target", timeout=cfg.worker_timeout)
-    draft = GrpcWorker(cfg.draft, "draft", timeout=cfg.worker_timeout) if cfg.draft else None
+    # every file (certificates, keys, API keys) is read here, before anything starts
+    worker_creds = channel_credentials(cfg.worker_tls_cert, cfg.worker_tls_key, cfg.worker_tls_ca)
+    if cfg.worker_tls_server_name and worker_creds is None:
+        raise ConfigError("specd router: --worker-tls-server-name needs --worker-tls-ca (or a client certificate)")
+    server_creds = server_credentials_of(cfg)
+    interceptors = [ApiKeyInterceptor(load_api_keys(cfg.api_key_file))] if cfg.api_key_file else None
+    if cfg.max_message_bytes <= 0:
+        raise ConfigError(f"specd router: --max-message-bytes must be > 0, got {cfg.max_message_bytes}")
+    try:
+        limits = Limits.of(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"specd router: {exc}") from None
+
+    def worker(address: str, name: str) -> GrpcWorker:
+        return GrpcWorker(address, name, timeout=cfg.worker_timeout, credentials=worker_creds,
+                          server_name=cfg.worker_tls_server_name)
+
+    target = worker(cfg.target, "target")
+    draft = worker(cfg.draft, "draft") if cfg.draft else None
     router = Router(target, draft, settings_of(cfg))
     metrics = RouterPrometheus()
     router.step_observers.append(metrics.observe_step)
-    servicer = RouterServicer(router, metrics)
+    servicer = RouterServicer(router, metrics, limits)
 
     def register(server):
         rpb_grpc.add_RouterServicer_to_server(servicer, server)
         return [rpb.DESCRIPTOR.services_by_name["Router"].full_name]
 
-    life = await start_server(cfg.host, cfg.port, register, cfg.port_file)
+    life = await start_server(cfg.host, cfg.port, register, cfg.port_file, interceptors=interceptors,
+                              credentials=server_creds, max_receive_bytes=cfg.max_message_bytes)
     start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
     life.install_signal_handlers()
     try:
@@ -67,7 +87,9 @@ async def serve(cfg: RouterConfig) -> None:
         metrics.sessions_queued.set_function(lambda: len(router.pool.waiters))
         servicer.ready = True
         await life.set_serving(True)
-        log.info("router ready: target %s%s", cfg.target, f", draft {cfg.draft}" if cfg.draft else " (no draft)")
+        log.info("router ready: target %s%s%s%s", cfg.target, f", draft {cfg.draft}" if cfg.draft else " (no draft)",
+                 ", workers over TLS" if worker_creds is not None else "",
+                 ", API keys required" if interceptors else "")
 
     async def close():
         await target.close()

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from router.engine import GenParams, Result, Router
+from router.limits import Limits
 from router.text import TextAssembler
 from specd.errors import InvalidArgument, SpecdError, Unavailable
 from specd.sampling import Sampling
@@ -43,9 +44,10 @@ def finish_pb(res: Result) -> rpb.Finish:
 
 
 class RouterServicer(rpb_grpc.RouterServicer):
-    def __init__(self, router: Router, metrics=None):
+    def __init__(self, router: Router, metrics=None, limits: Limits | None = None):
         self.router = router
         self.metrics = metrics
+        self.limits = limits or Limits()
         self.ready = False
 
     def _check_ready(self) -> None:
@@ -82,13 +84,22 @@ class RouterServicer(rpb_grpc.RouterServicer):
         t0 = time.perf_counter()
         outcome = "ok"
         res = Result()
+        limits = self.limits
+        deadline = limits.deadline()
         try:
             self._check_ready()
-            params = await self._params(request)
+            params = await limits.within(self._params(request), deadline)
+            limits.apply(params, self.router)
             text = TextAssembler(list(request.stop))
             last = None
             async with contextlib.aclosing(self.router.generate(params, res)) as steps:
-                async for step in steps:
+                while True:
+                    # request_timeout bounds each step; the time spent writing to
+                    # the client counts too, as the deadline is fixed
+                    try:
+                        step = await (anext(steps) if deadline is None else limits.within(anext(steps), deadline))
+                    except StopAsyncIteration:
+                        break
                     now = time.perf_counter()
                     if self.metrics is not None:
                         if last is None:

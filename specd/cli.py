@@ -107,8 +107,14 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from specd.client import RouterClient
+    from specd.security import ConfigError, channel_credentials
 
-    with RouterClient(args.router) as client:
+    try:  # TLS towards the router when any --tls-* flag is given
+        creds = channel_credentials(args.tls_cert, args.tls_key, args.tls_ca, prefix="--tls")
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with RouterClient(args.router, api_key=args.api_key or None, credentials=creds) as client:
         try:
             if args.json:
                 c = client.generate(args.prompt, **_gen_kwargs(args))
@@ -193,6 +199,11 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion from a router")
     p.add_argument("--router", default=os.environ.get("SPECD_ROUTER", "127.0.0.1:50051"), help="HOST:PORT [env SPECD_ROUTER]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY", ""),
+                   help="API key of a router started with --api-key-file [env SPECD_API_KEY]")
+    p.add_argument("--tls-ca", default="", help="connect over TLS, verifying the router against this PEM CA")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, for a router that requires one")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     _add_gen_flags(p, None)
     p.set_defaults(fn=_generate)
     from specd.bench import add_parser as add_bench

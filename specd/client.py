@@ -8,6 +8,7 @@ from typing import Callable
 
 import grpc
 
+from specd.security import api_key_metadata
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
 from specd.v1 import worker_pb2 as wpb
@@ -102,20 +103,29 @@ def collect(stream, on_text: Callable[[str], None] | None = None) -> Completion:
 
 
 class RouterClient:
-    def __init__(self, address: str, timeout: float = 600.0):
-        self.channel = grpc.insecure_channel(address)
+    """`api_key`: sent as `authorization: Bearer <key>` on every call (routers
+    started with --api-key-file). `credentials`: TLS channel credentials
+    (grpc.ssl_channel_credentials) for a router serving TLS; None: plaintext."""
+
+    def __init__(self, address: str, timeout: float = 600.0, api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self.channel = (grpc.insecure_channel(address) if credentials is None
+                        else grpc.secure_channel(address, credentials))
         self.stub = rpb_grpc.RouterStub(self.channel)
         self.timeout = timeout
+        self.metadata = api_key_metadata(api_key)
 
     def generate(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None, **kw) -> Completion:
-        return collect(self.stub.Generate(make_request(prompt, **kw), timeout=self.timeout), on_text)
+        stream = self.stub.Generate(make_request(prompt, **kw), timeout=self.timeout, metadata=self.metadata)
+        return collect(stream, on_text)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        r = self.stub.Tokenize(wpb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special), timeout=self.timeout)
+        r = self.stub.Tokenize(wpb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special),
+                               timeout=self.timeout, metadata=self.metadata)
         return list(r.tokens)
 
     def info(self) -> rpb.RouterInfo:
-        return self.stub.GetInfo(rpb.GetInfoRequest(), timeout=self.timeout)
+        return self.stub.GetInfo(rpb.GetInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -44,6 +44,10 @@ class ServerConfig:
     grace_seconds: float = 30.0
     drain_seconds: float = 0.0
     log_level: str = "INFO"
+    # TLS of this server (paths); with tls_ca, client certificates are required
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
 
 @dataclass
@@ -73,6 +77,17 @@ class RouterConfig(ServerConfig):
     max_queue: int = 64
     worker_timeout: float = 60.0
     draft_wait: float = 60.0
+    # mTLS towards the workers (paths)
+    worker_tls_cert: str = ""
+    worker_tls_key: str = ""
+    worker_tls_ca: str = ""
+    worker_tls_server_name: str = ""
+    # public API: authentication and limits
+    api_key_file: str = ""
+    max_prompt_tokens: int = 0
+    max_tokens_limit: int = 0
+    max_message_bytes: int = 4 << 20
+    request_timeout: float = 0.0
 
 
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -83,6 +98,10 @@ def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     add(p, "--grace-seconds", float, 30.0, "on SIGTERM, time given to in-flight calls")
     add(p, "--drain-seconds", float, 0.0, "on SIGTERM, time health says NOT_SERVING before new calls are refused")
     add(p, "--log-level", str, "INFO", "logging level")
+    add(p, "--tls-cert", str, "", "serve TLS with this PEM certificate (chain) file")
+    add(p, "--tls-key", str, "", "PEM private key of --tls-cert")
+    add(p, "--tls-ca", str, "", "PEM CA file: require client certificates signed by it (mTLS); "
+        "gRPC health probes then need a client certificate too")
 
 
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -111,6 +130,18 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--max-queue", int, 64, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, 60.0, "deadline of one worker call in seconds")
     add(p, "--draft-wait", float, 60.0, "at start, seconds to wait for a loading draft before serving target-only")
+    add(p, "--worker-tls-cert", str, "", "PEM client certificate presented to the workers (mTLS)")
+    add(p, "--worker-tls-key", str, "", "PEM private key of --worker-tls-cert")
+    add(p, "--worker-tls-ca", str, "", "PEM CA file the workers' certificates are verified against "
+        "(any --worker-tls-* flag turns TLS on; no CA: the system roots)")
+    add(p, "--worker-tls-server-name", str, "", "name expected in the workers' certificates when it is not their host")
+    add(p, "--api-key-file", str, "", "file of API keys, one a line; every Router call must then carry "
+        "`authorization: Bearer KEY` or `x-api-key: KEY`")
+    add(p, "--max-prompt-tokens", int, 0, "largest prompt in tokens (0: the context size)")
+    add(p, "--max-tokens-limit", int, 0, "largest max_tokens of a request; also caps requests that leave it unset (0: none)")
+    add(p, "--max-message-bytes", int, 4 << 20, "largest request message in bytes (gRPC answers RESOURCE_EXHAUSTED)")
+    add(p, "--request-timeout", float, 0.0, "longest a Generate may run in seconds (0: no limit; "
+        "the client's own gRPC deadline always applies)")
 
 
 def build(cls, args: argparse.Namespace, **extra):

@@ -1,6 +1,11 @@
 """Start target, draft and router as local processes (`specd up`, `specd demo`,
 end-to-end tests). Ports are picked by the OS (port 0) and read back from
-port files; readiness is the router's gRPC health saying SERVING."""
+port files; readiness is the router's gRPC health saying SERVING.
+
+Security flags pass through as extra arguments: `worker_args` (both workers,
+e.g. --tls-cert/--tls-key/--tls-ca), `router_args` (--worker-tls-*,
+--api-key-file, the router's own --tls-*). When the router serves TLS, give
+`router_credentials` so the readiness check can reach its health service."""
 from __future__ import annotations
 
 import os
@@ -31,6 +36,7 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
     metrics: bool = False  # give every process a /metrics port (cluster.metrics_ports)
+    router_credentials: grpc.ChannelCredentials | None = None  # a router serving TLS: how to reach its health
 
 
 class ProcessDied(RuntimeError):
@@ -76,8 +82,10 @@ class Proc:
         return self.popen.returncode
 
 
-def wait_serving(address: str, deadline: float, procs: list[Proc]) -> None:
-    with grpc.insecure_channel(address) as ch:
+def wait_serving(address: str, deadline: float, procs: list[Proc],
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    ch = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             for p in procs:
@@ -131,7 +139,7 @@ class Cluster:
                 args += ["--draft", draft_addr]
             self.procs["router"] = Proc("router", args, self.workdir)
             self.router_address = f"{s.host}:{self.procs['router'].wait_port(deadline)}"
-            wait_serving(self.router_address, deadline, list(self.procs.values()))
+            wait_serving(self.router_address, deadline, list(self.procs.values()), s.router_credentials)
         except BaseException:
             self.stop()
             raise

@@ -58,12 +58,17 @@ class Lifecycle:
 
 
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], list[str]],
-                       port_file: str = "", interceptors=None) -> Lifecycle:
-    """Create, register, listen, start; health NOT_SERVING until set_serving(True)."""
+                       port_file: str = "", interceptors=None, credentials: grpc.ServerCredentials | None = None,
+                       max_receive_bytes: int = MAX_MESSAGE) -> Lifecycle:
+    """Create, register, listen, start; health NOT_SERVING until set_serving(True).
+
+    `credentials` (specd.security.server_credentials): TLS, or mTLS when they
+    require client certificates; None listens in plaintext. A request larger
+    than `max_receive_bytes` is refused by gRPC with RESOURCE_EXHAUSTED."""
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-                 ("grpc.so_reuseport", 0)],
+        options=[("grpc.max_receive_message_length", max_receive_bytes),
+                 ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.so_reuseport", 0)],
     )
     services = register(server)
     health_servicer = health.aio.HealthServicer()
@@ -71,7 +76,10 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     reflection.enable_server_reflection(
         [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
@@ -82,7 +90,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
         with open(tmp, "w") as f:
             f.write(str(bound))
         os.replace(tmp, port_file)
-    log.info("listening on %s:%d", host, bound)
+    log.info("listening on %s:%d%s", host, bound, "" if credentials is None else " (TLS)")
     return life
 
 

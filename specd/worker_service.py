@@ -294,10 +294,12 @@ class DraftServicer(pb_grpc.DraftWorkerServicer):
 async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
     """Listen (NOT_SERVING), load the engine, serve until SIGTERM."""
     from specd.metrics import WorkerPrometheus
+    from specd.security import server_credentials_of
     from specd.server import run_until_stopped, start_metrics, start_server
 
     runner = EngineRunner()
-    life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role), cfg.port_file)
+    life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role), cfg.port_file,
+                              credentials=server_credentials_of(cfg))
     metrics = WorkerPrometheus()
     start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
     life.install_signal_handlers()
