@@ -24,6 +24,8 @@ class ProposeResult:
     tokens: list[int]
     state: SeqState
     compute_seconds: float = 0.0
+    batch_tokens: int = 0  # of the last llama_decode, shared with other sequences
+    batch_seconds: float = 0.0
 
 
 def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
@@ -56,7 +58,8 @@ class _ProposeMixin:
         keep = end + max(len(drafts) - 1, 0)
         if self.seqs[seq_id].pos_max + 1 > keep and self.can_rm_partial:
             self.seq_rm(seq_id, keep, -1)
-        return ProposeResult(drafts, self.state(seq_id), time.perf_counter() - t0)
+        n_batch, s_batch = self.round_cost.get(seq_id, (0, 0.0))
+        return ProposeResult(drafts, self.state(seq_id), time.perf_counter() - t0, n_batch, s_batch)
 
 
 class DraftModelEngine(_ProposeMixin, ModelEngine):

@@ -13,7 +13,10 @@ def make_engine(cfg: WorkerConfig):
     from draft_worker.engine import DraftModelEngine
     from specd.llama import LlamaConfig
 
-    return DraftModelEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)
+    engine = DraftModelEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)
+    if cfg.calibrate:
+        engine.calibrate()
+    return engine
 
 
 async def serve(cfg: WorkerConfig) -> None:

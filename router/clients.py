@@ -35,6 +35,8 @@ class VerifyOut:
     pieces: list[bytes]
     state: SeqState
     compute_seconds: float = 0.0
+    batch_tokens: int = 0
+    batch_seconds: float = 0.0
 
 
 @dataclass
@@ -42,6 +44,8 @@ class ProposeOut:
     tokens: list[int]
     state: SeqState
     compute_seconds: float = 0.0
+    batch_tokens: int = 0
+    batch_seconds: float = 0.0
 
 
 def error_for(code_name: str, message: str) -> errors.SpecdError:
@@ -59,6 +63,7 @@ def _model_info(i: pb.ModelInfo) -> ModelInfo:
         vocab_fingerprint=i.vocab_fingerprint, n_ctx_seq=i.n_ctx_seq, n_seq=i.n_seq,
         can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
         eog_tokens=tuple(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
+        decode_costs=tuple((c.n_tokens, c.seconds) for c in i.decode_costs),
     )
 
 
@@ -73,10 +78,11 @@ def _unwrap(res: pb.WorkerResult):
         return CheckpointInfo(c.handle, c.seq_id, c.pos_min, c.pos_max, c.n_tokens, c.n_bytes)
     if which == "verify":
         v = res.verify
-        return VerifyOut(list(v.tokens), list(v.pieces), _state(v.state), v.compute_seconds)
+        return VerifyOut(list(v.tokens), list(v.pieces), _state(v.state), v.compute_seconds, v.batch_tokens,
+                         v.batch_seconds)
     if which == "propose":
         p = res.propose
-        return ProposeOut(list(p.tokens), _state(p.state), p.compute_seconds)
+        return ProposeOut(list(p.tokens), _state(p.state), p.compute_seconds, p.batch_tokens, p.batch_seconds)
     return None
 
 
@@ -279,11 +285,11 @@ class LocalWorker(_Ops):
         if name == "verify":
             def fn():
                 r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"])
-                return VerifyOut(r.tokens, r.pieces, r.state, r.compute_seconds)
+                return VerifyOut(r.tokens, r.pieces, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds)
         elif name == "propose":
             def fn():
                 r = e.propose(f["seq_id"], f["pos"], f["tokens"], f["n_max"], f["n_min"], f["p_min"])
-                return ProposeOut(r.tokens, r.state, r.compute_seconds)
+                return ProposeOut(r.tokens, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds)
         else:
             method = {"get_seq_state": "state"}.get(name, name)
             args = list(f.values())

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from router.adaptive import Controller, CostCurve
 from specd.engine import ModelInfo, SeqState
 from specd.errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted,
                           SpecdError, Unavailable)
@@ -44,6 +45,10 @@ class RouterSettings:
     check_alignment: bool = False
     # draft the next step on the draft worker while the target verifies this one
     overlap: bool = True
+    # keep a finished session's KV for a later prompt sharing its prefix
+    prompt_cache: bool = True
+    # choose each step's draft length from acceptance and load (router/adaptive.py)
+    adaptive: bool = True
     max_queue: int = 64
     draft_wait: float = 60.0  # seconds to wait for a loading draft at start before serving target-only
 
@@ -59,6 +64,7 @@ class GenParams:
     n_max: int | None = None
     n_min: int | None = None
     p_min: float | None = None
+    adaptive: bool | None = None
     context_shift: bool = False
     n_keep: int = 0
 
@@ -92,6 +98,7 @@ class Result:
     n_accepted: int = 0
     n_steps: int = 0
     n_shifts: int = 0
+    n_cached: int = 0  # prompt tokens the prompt cache kept
     n_divergences: int = 0
     n_ahead_used: int = 0  # steps whose drafts were computed during the previous verification
     prompt_seconds: float = 0.0
@@ -109,21 +116,41 @@ class Divergence(Internal):
 
 
 class SeqPool:
-    """Sequence ids shared by both workers; bounded wait queue."""
+    """Sequence ids shared by both workers; bounded wait queue.
+
+    A free sequence may still hold what its last session left (prompt cache):
+    `cached[seq]` are the tokens the target holds at positions 0.., and the
+    draft holds the first `cached_d[seq]` of them."""
 
     def __init__(self, n_seq: int, max_queue: int):
         self.capacity = n_seq
         self.free = list(range(n_seq - 1, -1, -1))
         self.max_queue = max_queue
         self.waiters: list[asyncio.Future] = []
+        self.cached: dict[int, list[int]] = {}
+        self.cached_d: dict[int, int] = {}
+
+    def take_cache(self, seq: int) -> tuple[list[int], int]:
+        return self.cached.pop(seq, []), self.cached_d.pop(seq, 0)
+
+    def forget_draft(self) -> None:
+        """The draft worker lost its sequences (restart): nothing of it is cached."""
+        self.cached_d.clear()
+
+    def _best_free(self, prompt: list[int]) -> int:
+        """The free sequence sharing the longest prefix with the prompt (as
+        llama-server picks a slot); among equals, the one holding least."""
+        best = max(range(len(self.free)), key=lambda i: (
+            common_prefix(self.cached.get(self.free[i], ()), prompt), -len(self.cached.get(self.free[i], ())), i))
+        return self.free.pop(best)
 
     @property
     def n_running(self) -> int:
         return self.capacity - len(self.free)
 
-    async def acquire(self) -> int:
+    async def acquire(self, prompt: list[int] = ()) -> int:
         if self.free:
-            return self.free.pop()
+            return self._best_free(list(prompt))
         if len(self.waiters) >= self.max_queue:
             raise ResourceExhausted(f"all sequences are busy and the queue is full (max_queue = {self.max_queue})")
         fut = asyncio.get_running_loop().create_future()
@@ -159,6 +186,8 @@ class _Session:
         self.ahead_held = 0
         self.res = result
         result.n_prompt = len(params.prompt)
+        self.acc = None  # adaptive speculation: this session's acceptance
+        self.hidden = 0.0  # share of drafting that overlap hid behind verification
         self.with_draft = False  # the draft holds (or held) this sequence
         # pipelined operations not awaited yet, per worker
         self.pending_t: list[asyncio.Future] = []
@@ -175,6 +204,8 @@ class Router:
         self.draft_info: ModelInfo | None = None
         self.draft_up = False
         self.pool: SeqPool | None = None
+        self.controller = Controller()
+        self.n_generating = 0  # sessions past their prompt: the batch adaptive speculation plans for
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:
@@ -184,6 +215,7 @@ class Router:
         self.eog = frozenset(self.target_info.eog_tokens)
         self.n_ctx = self.target_info.n_ctx_seq
         self.pool = SeqPool(self.target_info.n_seq, self.settings.max_queue)
+        self.controller.target = CostCurve(self.target_info.decode_costs)
         await _done(self.target.clear(-1))  # start from empty sequences whatever came before
         if self.draft is not None:
             deadline = time.monotonic() + self.settings.draft_wait
@@ -205,6 +237,8 @@ class Router:
         check_vocab(self.target_info, info)
         await _done(self.draft.clear(-1))
         self.draft_info = info
+        self.pool.forget_draft()
+        self.controller.draft = CostCurve(info.decode_costs)
         self.n_ctx = min(self.target_info.n_ctx_seq, info.n_ctx_seq)
         self.pool.capacity = min(self.pool.capacity, info.n_seq)
         self.pool.free = [i for i in self.pool.free if i < info.n_seq]
@@ -268,14 +302,20 @@ class Router:
         """Yield the accepted tokens step by step; fill `result` as it goes.
         Closing the iterator early (cancel, stop string) frees the sequence."""
         self.validate(p)
-        seq = await self.pool.acquire()
+        seq = await self.pool.acquire(p.prompt)
         s = _Session(seq, p, result)
         use_draft = self.draft is not None and self.draft_up and p.speculative is not False
         result.speculative = s.with_draft = use_draft
+        s.acc = self.controller.new_session()
+        s.hidden = 0.5 if self.settings.overlap else 0.0
+        generating = False
         try:
             t0 = time.perf_counter()
+            use_draft = await self._reuse(s, use_draft)
             use_draft = await self._prefill(s, use_draft)
             result.prompt_seconds = time.perf_counter() - t0
+            self.n_generating += 1
+            generating = True
             t_gen = time.perf_counter()
             limit = p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p)
             while True:
@@ -296,6 +336,8 @@ class Router:
                     result.reason = finish
                     break
         finally:
+            if generating:
+                self.n_generating -= 1
             await self._release(s, use_draft)
 
     def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
@@ -316,22 +358,51 @@ class Router:
             return self.n_ctx
         return self.n_ctx - len(p.prompt)
 
-    async def _prefill(self, s: _Session, use_draft: bool) -> bool:
-        """Decode the prompt but its last token on both workers at once."""
-        head = s.ctx[:-1]
-        if not head:
+    async def _reuse(self, s: _Session, use_draft: bool) -> bool:
+        """Prompt cache: keep what the sequence holds of this prompt's prefix
+        from its last session (as llama-server's cache_prompt), remove the
+        rest on both workers; the prompt's last token is always decoded anew."""
+        cached, cached_d = self.pool.take_cache(s.seq)
+        if not cached and not cached_d:
             return use_draft
-        futs = [await self.target.decode(s.seq, 0, head)]
+        n = common_prefix(cached, s.ctx[:-1]) if self.settings.prompt_cache and not self.checkpoint_mode else 0
+        swa = self.target_info.n_swa or (self.draft_info.n_swa if self.draft_info else 0)
+        if swa and len(cached) - n > MAX_DRAFT:
+            n = 0  # a sliding-window cache may no longer hold what the positions before n need
+        if len(cached) > n:
+            s.pending_t.append(await (self.target.seq_rm(s.seq, n, -1) if n else self.target.clear(s.seq)))
+        s.n_t = n
+        s.res.n_cached = n
+        n_d = min(cached_d, n) if use_draft else 0
+        if cached_d > n_d:
+            fut = await (self.draft.seq_rm(s.seq, n_d, -1) if n_d else self.draft.clear(s.seq))
+            if use_draft:
+                s.pending_d.append(fut)
+            else:
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # the draft may be down
+        s.n_d = n_d
+        return use_draft
+
+    async def _prefill(self, s: _Session, use_draft: bool) -> bool:
+        """Decode the prompt but its last token on both workers at once (what
+        the prompt cache did not keep)."""
+        n = len(s.ctx) - 1
+        pend_t, pend_d = s.pending_t, s.pending_d
+        s.pending_t, s.pending_d = [], []
+        if s.n_t < n:
+            pend_t.append(await self.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
+        if use_draft and s.n_d < n:
+            pend_d.append(await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n]))
+        results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
+        for r in results[: len(pend_t)]:
+            if isinstance(r, BaseException):
+                raise r
+        s.n_t = n
         if use_draft:
-            futs.append(await self.draft.decode(s.seq, 0, head))
-        results = await asyncio.gather(*futs, return_exceptions=True)
-        if isinstance(results[0], BaseException):
-            raise results[0]
-        s.n_t = len(head)
-        if use_draft:
-            if isinstance(results[1], BaseException):
-                return self._draft_failed(s, results[1])
-            s.n_d = len(head)
+            for r in results[len(pend_t) :]:
+                if isinstance(r, BaseException):
+                    return self._draft_failed(s, r)
+            s.n_d = n
         return use_draft
 
     # ------------------------------------------------------------------ step
@@ -344,6 +415,9 @@ class Router:
         n_min = p.n_min if p.n_min is not None else self.settings.n_min
         p_min = p.p_min if p.p_min is not None else self.settings.p_min
         k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0
+        adaptive = p.adaptive if p.adaptive is not None else self.settings.adaptive
+        if adaptive and k > 0:
+            k = self.controller.choose(s.acc, k, self.n_generating, s.hidden)
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
             s.pending_t.append(await self.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
@@ -352,12 +426,14 @@ class Router:
         drafts: list[int] = []
         held_d = s.ahead_held if s.ahead else s.n_d  # over ctx + s.ahead
         ck_d = cont = None
+        ahead_used = False
         t_draft = c_draft = c_cont = 0.0
         if s.ahead and min(k, len(s.ahead)) >= max(1, n_min):
             # drafted during the last verification, for exactly this context
             drafts, held_d = s.ahead[:k], s.ahead_held
             s.ahead = []
             s.res.n_ahead_used += 1
+            ahead_used = True
         elif k >= max(1, n_min):
             try:
                 if ckpt:
@@ -365,6 +441,7 @@ class Router:
                 prop = await _done(self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min))
                 drafts = prop.tokens
                 c_draft = prop.compute_seconds
+                self.controller.draft.observe(prop.batch_tokens, prop.batch_seconds)
                 held_d = prop.state.pos_max + 1
                 if ck_d is not None:
                     ck_d = (await ck_d).handle
@@ -377,7 +454,7 @@ class Router:
         # Overlap: while the target verifies, let the draft continue after the
         # last draft as if all were accepted; its first token guesses the
         # target's own next token. Only proposals: the target verifies them.
-        next_k = min(n_max, self.n_ctx - (n + len(drafts) + 1), remaining - len(drafts) - 2)
+        next_k = min(max(k, 1), self.n_ctx - (n + len(drafts) + 1), remaining - len(drafts) - 2)
         if (self.settings.overlap and use_draft and drafts and not ckpt and next_k >= 1
                 and held_d == n + len(drafts) - 1):
             cont = await self.draft.propose(seq, held_d, drafts[-1:], next_k + 1, 0, p_min)
@@ -387,6 +464,7 @@ class Router:
         ver = await _done(self.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt))
         out = ver.tokens
         t_verify = time.perf_counter() - t1
+        self.controller.target.observe(ver.batch_tokens, ver.batch_seconds)
         a = len(out) - 1
         keep = n + a  # positions of the context after this step that are decoded: id_last + accepted drafts
 
@@ -406,6 +484,7 @@ class Router:
                 use_draft = self._draft_failed(s, exc)
             else:
                 c_cont = c.compute_seconds
+                self.controller.draft.observe(c.batch_tokens, c.batch_seconds)
                 held_d = c.state.pos_max + 1  # over ctx + drafts + c.tokens
                 if a == len(drafts) and c.tokens and c.tokens[0] == out[-1]:
                     # guessed right: ctx + out + c.tokens[1:] is what the draft holds a prefix of
@@ -426,7 +505,9 @@ class Router:
                 s.n_d = keep_d
 
         ctx.extend(out)
+        self.controller.observe_step(s.acc, len(drafts), a)
         if drafts:
+            s.hidden += 0.2 * ((1.0 if ahead_used else 0.0) - s.hidden)
             s.res.n_drafted += len(drafts)
             s.res.n_accepted += a
             while len(s.res.accepted_per_pos) < len(drafts):
@@ -545,22 +626,51 @@ class Router:
         return await self._settle(s, use_draft)
 
     async def _release(self, s: _Session, use_draft: bool) -> None:
+        """Free the sequence. After a clean finish both workers keep what
+        they hold of the history for the prompt cache (the draft trimmed to a
+        prefix of the target's); after a cancel or an error both are cleared."""
         for fut in s.pending_t + s.pending_d:
             if fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved: errors here no longer matter
-        futs = [await self.target.clear(s.seq)]
-        if s.with_draft:
-            futs.append(await self.draft.clear(s.seq))
+        keep = bool(s.res.reason) and self.settings.prompt_cache and not self.checkpoint_mode
+        n_d = min(s.n_d, s.n_t) if use_draft else 0
+        if keep:
+            futs = [*s.pending_t, *s.pending_d]
+            if use_draft:
+                futs.append(await self.draft.seq_rm(s.seq, n_d, -1))
+            elif s.with_draft:
+                futs.append(await self.draft.clear(s.seq))
+        else:
+            futs = [await self.target.clear(s.seq)]
+            if s.with_draft:
+                futs.append(await self.draft.clear(s.seq))
         try:
-            await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout=10)
+            results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout=10)
+            ok = not any(isinstance(r, BaseException) for r in results)
         except Exception:  # the workers may be gone; the sequence is freed all the same
             log.warning("could not clear seq %d on the workers", s.seq)
+            ok = False
+        if keep and ok:
+            self.pool.cached[s.seq] = s.ctx[: s.n_t]
+            self.pool.cached_d[s.seq] = n_d
+        elif keep:  # unknown state: start the next session from empty sequences
+            for w in [self.target] + ([self.draft] if s.with_draft else []):
+                fut = await w.clear(s.seq)
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.pool.release(s.seq)
 
 
 async def _done(issue):
     """Issue an operation and wait for its result."""
     return await (await issue)
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:

@@ -34,7 +34,8 @@ def finish_pb(res: Result) -> rpb.Finish:
         reason=REASONS.get(res.reason, rpb.FINISH_REASON_UNSPECIFIED),
         usage=rpb.Usage(prompt_tokens=res.n_prompt, generated_tokens=res.n_generated,
                         drafted_tokens=res.n_drafted, accepted_tokens=res.n_accepted,
-                        steps=res.n_steps, context_shifts=res.n_shifts),
+                        steps=res.n_steps, context_shifts=res.n_shifts,
+                        cached_tokens=res.n_cached),
         timing=rpb.Timing(prompt_seconds=res.prompt_seconds, generation_seconds=res.generation_seconds,
                           draft_compute_seconds=res.draft_compute_seconds,
                           verify_compute_seconds=res.verify_compute_seconds, steps_seconds=res.steps_seconds,
@@ -76,6 +77,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
             n_max=spec.n_max if spec.HasField("n_max") else None,
             n_min=spec.n_min if spec.HasField("n_min") else None,
             p_min=spec.p_min if spec.HasField("p_min") else None,
+            adaptive=spec.adaptive if spec.HasField("adaptive") else None,
             context_shift=r.context_shift,
             n_keep=r.n_keep,
         )

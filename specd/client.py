@@ -26,6 +26,7 @@ class Completion:
     n_accepted: int = 0
     n_steps: int = 0
     n_shifts: int = 0
+    n_cached: int = 0
     finish_reason: str = ""
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -56,7 +57,7 @@ class Completion:
 
 def make_request(prompt: str | list[int], max_tokens: int | None = None, temperature: float = 0.0,
                  seed: int | None = None, speculative: bool | None = None, n_draft: int | None = None,
-                 stop: list[str] | None = None, **extra) -> rpb.GenerateRequest:
+                 stop: list[str] | None = None, adaptive: bool | None = None, **extra) -> rpb.GenerateRequest:
     req = rpb.GenerateRequest(stop=stop or [], **extra)
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -71,6 +72,8 @@ def make_request(prompt: str | list[int], max_tokens: int | None = None, tempera
         req.speculative.enabled = speculative
     if n_draft is not None:
         req.speculative.n_max = n_draft
+    if adaptive is not None:
+        req.speculative.adaptive = adaptive
     return req
 
 
@@ -91,6 +94,7 @@ def collect(stream, on_text: Callable[[str], None] | None = None) -> Completion:
             out.n_prompt, out.n_generated = f.usage.prompt_tokens, f.usage.generated_tokens
             out.n_drafted, out.n_accepted, out.n_steps = f.usage.drafted_tokens, f.usage.accepted_tokens, f.usage.steps
             out.n_shifts = f.usage.context_shifts
+            out.n_cached = f.usage.cached_tokens
             out.prompt_seconds, out.generation_seconds = f.timing.prompt_seconds, f.timing.generation_seconds
             out.draft_compute_seconds = f.timing.draft_compute_seconds
             out.verify_compute_seconds = f.timing.verify_compute_seconds

@@ -62,6 +62,7 @@ class WorkerConfig(ServerConfig):
     n_batch: int = 512
     n_gpu_layers: int = 0
     max_checkpoint_bytes: int = 1 << 30
+    calibrate: bool = True
 
 
 @dataclass
@@ -74,6 +75,8 @@ class RouterConfig(ServerConfig):
     checkpoint_mode: bool = False
     check_alignment: bool = False
     overlap: bool = True
+    adaptive: bool = True
+    prompt_cache: bool = True
     max_queue: int = 64
     worker_timeout: float = 60.0
     draft_wait: float = 60.0
@@ -115,6 +118,7 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     add(p, "--n-seq", int, 4, "sequences hosted at once")
     add(p, "--n-batch", int, 512, "largest batch decoded at once")
     add(p, "--n-gpu-layers", int, 0, "layers offloaded to the GPU (CUDA builds)")
+    add(p, "--calibrate", bool, True, "time decode batches at load (the router's prior for adaptive speculation)")
 
 
 def add_router_flags(p: argparse.ArgumentParser) -> None:
@@ -127,6 +131,8 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--checkpoint-mode", bool, False, "use checkpoints instead of partial KV removal (forced)")
     add(p, "--check-alignment", bool, False, "compare both workers' sequences with the history after every step")
     add(p, "--overlap", bool, True, "draft the next step while the target verifies this one")
+    add(p, "--prompt-cache", bool, True, "keep finished sessions' KV for prompts that share their prefix")
+    add(p, "--adaptive", bool, True, "choose each step's draft length (up to n_max, down to 0) from acceptance and load")
     add(p, "--max-queue", int, 64, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, 60.0, "deadline of one worker call in seconds")
     add(p, "--draft-wait", float, 60.0, "at start, seconds to wait for a loading draft before serving target-only")

@@ -45,6 +45,8 @@ class ModelInfo:
     add_bos: bool
     n_threads: int
     model_path: str
+    # (n_tokens, seconds) of one llama_decode, measured at load
+    decode_costs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -96,6 +98,8 @@ class WorkerEngine:
         self.stats = EngineStats()
         # called with (batch size, seconds) after every llama_decode
         self.on_decode: Callable[[int, float], None] | None = None
+        # per sequence: (tokens, seconds) of the last llama_decode it took part in
+        self.round_cost: dict[int, tuple[int, float]] = {}
 
     # ------------------------------------------------------------ storage hooks
     can_rm_partial = True

@@ -20,6 +20,7 @@ class ModelEngine(WorkerEngine):
         self.can_rm_partial = not self.model.is_recurrent
         self.can_shift = self.model.can_shift
         self._fingerprint = self.model.vocab_fingerprint()
+        self.decode_costs: tuple[tuple[int, float], ...] = ()
 
     def info(self) -> ModelInfo:
         m = self.model
@@ -38,7 +39,26 @@ class ModelEngine(WorkerEngine):
             add_bos=m.add_bos,
             n_threads=self.config.n_threads,
             model_path=self.config.model_path,
+            decode_costs=self.decode_costs,
         )
+
+    def calibrate(self, max_tokens: int = 64, repeats: int = 2) -> None:
+        """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens (the
+        router's prior for adaptive speculation); leaves the sequences empty."""
+        costs = []
+        n = 1
+        limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
+        toks = np.full(limit, self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)
+        while n <= limit:
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.model.decode(0, 0, toks[:n], 1)
+                best = min(best, time.perf_counter() - t0)
+                self.model.seq_rm(0, -1, -1)
+            costs.append((n, best))
+            n *= 2
+        self.decode_costs = tuple(costs)
 
     # ------------------------------------------------------------- storage
     def _decode_g(self, seq_id: int, pos: int, toks: np.ndarray, n_logits: int) -> Steps:
@@ -74,8 +94,11 @@ class ModelEngine(WorkerEngine):
                     seq_id, pos = parts[i][0], parts[i][1]
                     self.model.seq_rm(seq_id, pos, -1)
                 raise ResourceExhausted(f"decode failed: {exc}") from exc
+            n_tokens, seconds = sum(len(parts[i][2]) for i in idx), time.perf_counter() - t0
+            for i in idx:
+                self.round_cost[parts[i][0]] = (n_tokens, seconds)
             if self.on_decode is not None:
-                self.on_decode(sum(len(parts[i][2]) for i in idx), time.perf_counter() - t0)
+                self.on_decode(n_tokens, seconds)
             last = g == len(groups) - 1
             for i, lg in zip(idx, logits):
                 out[i] = lg if last or lg is None else lg.copy()

@@ -37,6 +37,7 @@ def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
         vocab_fingerprint=i.vocab_fingerprint, n_ctx_seq=i.n_ctx_seq, n_seq=i.n_seq,
         can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
         eog_tokens=list(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
+        decode_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs],
     )
 
 
@@ -102,11 +103,13 @@ def _steps(kind: str, e, r):
 
 def _result_pb(kind: str, res) -> pb.WorkerResult:
     if kind == "verify":
-        return pb.WorkerResult(verify=pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state),
-                                                        compute_seconds=res.compute_seconds))
+        return pb.WorkerResult(verify=pb.VerifyResponse(
+            tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state), compute_seconds=res.compute_seconds,
+            batch_tokens=res.batch_tokens, batch_seconds=res.batch_seconds))
     if kind == "propose":
-        return pb.WorkerResult(propose=pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state),
-                                                          compute_seconds=res.compute_seconds))
+        return pb.WorkerResult(propose=pb.ProposeResponse(
+            tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds,
+            batch_tokens=res.batch_tokens, batch_seconds=res.batch_seconds))
     return pb.WorkerResult(state=state_pb(res))
 
 

@@ -17,6 +17,8 @@ class VerifyResult:
     pieces: list[bytes]
     state: SeqState
     compute_seconds: float = 0.0
+    batch_tokens: int = 0  # of the llama_decode shared with other sequences
+    batch_seconds: float = 0.0
 
 
 class TargetEngine(ModelEngine):
@@ -42,4 +44,5 @@ class TargetEngine(ModelEngine):
         n_accepted = len(out) - 1
         if trim and n_accepted < n_draft:
             self.seq_rm(seq_id, pos + 1 + n_accepted, -1)
-        return VerifyResult(out, self.pieces(out), self.state(seq_id), time.perf_counter() - t0)
+        n_batch, s_batch = self.round_cost.get(seq_id, (0, 0.0))
+        return VerifyResult(out, self.pieces(out), self.state(seq_id), time.perf_counter() - t0, n_batch, s_batch)

@@ -9,7 +9,10 @@ def make_engine(cfg: WorkerConfig):
     from specd.llama import LlamaConfig
     from target_worker.engine import TargetEngine
 
-    return TargetEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)
+    engine = TargetEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)
+    if cfg.calibrate:
+        engine.calibrate()
+    return engine
 
 
 async def serve(cfg: WorkerConfig) -> None:

@@ -79,6 +79,7 @@ class SpeculativeParams(_message.Message):
     N_MAX_FIELD_NUMBER: _builtins.int
     N_MIN_FIELD_NUMBER: _builtins.int
     P_MIN_FIELD_NUMBER: _builtins.int
+    ADAPTIVE_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """Unset: on when a draft worker is configured. False: target-only decoding."""
     n_max: _builtins.int
@@ -89,6 +90,11 @@ class SpeculativeParams(_message.Message):
     """Stop drafting when the draft's probability falls below p_min, in [0, 1].
     Unset: the router's default.
     """
+    adaptive: _builtins.bool
+    """Adaptive speculation: choose each step's draft length, up to n_max and
+    down to 0, from this session's measured acceptance and what a step
+    costs at the current load. Unset: the router's default (--adaptive).
+    """
     def __init__(
         self,
         *,
@@ -96,11 +102,14 @@ class SpeculativeParams(_message.Message):
         n_max: _builtins.int | None = ...,
         n_min: _builtins.int | None = ...,
         p_min: _builtins.float | None = ...,
+        adaptive: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "adaptive", b"adaptive", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "adaptive", b"adaptive", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__adaptive: _TypeAlias = _typing.Literal["adaptive"]  # noqa: Y015
+    _WhichOneofArgType__adaptive: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive"]  # noqa: Y015
     _WhichOneofReturnType__enabled: _TypeAlias = _typing.Literal["enabled"]  # noqa: Y015
     _WhichOneofArgType__enabled: _TypeAlias = _typing.Literal["_enabled", b"_enabled"]  # noqa: Y015
     _WhichOneofReturnType__n_max: _TypeAlias = _typing.Literal["n_max"]  # noqa: Y015
@@ -109,6 +118,8 @@ class SpeculativeParams(_message.Message):
     _WhichOneofArgType__n_min: _TypeAlias = _typing.Literal["_n_min", b"_n_min"]  # noqa: Y015
     _WhichOneofReturnType__p_min: _TypeAlias = _typing.Literal["p_min"]  # noqa: Y015
     _WhichOneofArgType__p_min: _TypeAlias = _typing.Literal["_p_min", b"_p_min"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__adaptive) -> _WhichOneofReturnType__adaptive | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__enabled) -> _WhichOneofReturnType__enabled | None: ...
     @_typing.overload
@@ -206,6 +217,7 @@ class Usage(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
     CONTEXT_SHIFTS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt."""
     generated_tokens: _builtins.int
@@ -218,6 +230,10 @@ class Usage(_message.Message):
     """Speculative steps (verify calls)."""
     context_shifts: _builtins.int
     """Context shifts performed."""
+    cached_tokens: _builtins.int
+    """Prompt tokens the workers already held from an earlier session (prompt
+    cache) and did not decode again.
+    """
     def __init__(
         self,
         *,
@@ -227,10 +243,11 @@ class Usage(_message.Message):
         accepted_tokens: _builtins.int = ...,
         steps: _builtins.int = ...,
         context_shifts: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "context_shifts", b"context_shifts", "drafted_tokens", b"drafted_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "cached_tokens", b"cached_tokens", "context_shifts", b"context_shifts", "drafted_tokens", b"drafted_tokens", "generated_tokens", b"generated_tokens", "prompt_tokens", b"prompt_tokens", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -65,6 +65,7 @@ class ModelInfo(_message.Message):
     ADD_BOS_FIELD_NUMBER: _builtins.int
     N_THREADS_FIELD_NUMBER: _builtins.int
     MODEL_PATH_FIELD_NUMBER: _builtins.int
+    DECODE_COSTS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"model" for a llama.cpp model, "ngram" for a model-free drafter."""
     description: _builtins.str
@@ -99,6 +100,13 @@ class ModelInfo(_message.Message):
     def eog_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-generation token ids."""
 
+    @_builtins.property
+    def decode_costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeCost]:
+        """Seconds of one llama_decode of n_tokens tokens, measured when the model
+        loaded; the router's prior for adaptive speculation. Empty for a
+        drafter without a model.
+        """
+
     def __init__(
         self,
         *,
@@ -116,14 +124,39 @@ class ModelInfo(_message.Message):
         add_bos: _builtins.bool = ...,
         n_threads: _builtins.int = ...,
         model_path: _builtins.str = ...,
+        decode_costs: _abc.Iterable[Global___DecodeCost] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_vocab", b"n_vocab", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_vocab", b"n_vocab", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class DecodeCost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    N_TOKENS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    n_tokens: _builtins.int
+    """Tokens in the batch."""
+    seconds: _builtins.float
+    """Seconds llama_decode took."""
+    def __init__(
+        self,
+        *,
+        n_tokens: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n_tokens", b"n_tokens", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeCost: _TypeAlias = DecodeCost  # noqa: Y015
 
 @_typing.final
 class DecodeRequest(_message.Message):
@@ -636,10 +669,17 @@ class VerifyResponse(_message.Message):
     PIECES_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    BATCH_TOKENS_FIELD_NUMBER: _builtins.int
+    BATCH_SECONDS_FIELD_NUMBER: _builtins.int
     compute_seconds: _builtins.float
     """Seconds the worker spent computing this call (decode and sampling),
     without transport or queueing.
     """
+    batch_tokens: _builtins.int
+    """Tokens of the llama_decode this verification shared with other
+    sequences' operations (continuous batching), and its seconds.
+    """
+    batch_seconds: _builtins.float
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accepted drafts followed by the target's next token: n_accepted + 1 ids."""
@@ -659,10 +699,12 @@ class VerifyResponse(_message.Message):
         pieces: _abc.Iterable[_builtins.bytes] | None = ...,
         state: Global___SeqState | None = ...,
         compute_seconds: _builtins.float = ...,
+        batch_tokens: _builtins.int = ...,
+        batch_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "pieces", b"pieces", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_seconds", b"batch_seconds", "batch_tokens", b"batch_tokens", "compute_seconds", b"compute_seconds", "pieces", b"pieces", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -716,8 +758,15 @@ class ProposeResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    BATCH_TOKENS_FIELD_NUMBER: _builtins.int
+    BATCH_SECONDS_FIELD_NUMBER: _builtins.int
     compute_seconds: _builtins.float
     """Seconds the worker spent computing this call, without transport."""
+    batch_tokens: _builtins.int
+    """Tokens of the last llama_decode of this proposal (shared with other
+    sequences' drafting) and its seconds; 0 for a drafter without a model.
+    """
+    batch_seconds: _builtins.float
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The proposed tokens d0 .. dk-1 (k <= n_max)."""
@@ -732,10 +781,12 @@ class ProposeResponse(_message.Message):
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         state: Global___SeqState | None = ...,
         compute_seconds: _builtins.float = ...,
+        batch_tokens: _builtins.int = ...,
+        batch_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_seconds", b"batch_seconds", "batch_tokens", b"batch_tokens", "compute_seconds", b"compute_seconds", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
