@@ -96,8 +96,8 @@ class WorkerEngine:
         self.checkpoints: dict[int, _Checkpoint] = {}
         self._handles = itertools.count(1)
         self.stats = EngineStats()
-        # called with (batch size, seconds) after every llama_decode
-        self.on_decode: Callable[[int, float], None] | None = None
+        # called with (tokens, seconds, sequences) after every llama_decode
+        self.on_decode: Callable[[int, float, int], None] | None = None
         # per sequence: (tokens, seconds) of the last llama_decode it took part in
         self.round_cost: dict[int, tuple[int, float]] = {}
 

@@ -17,6 +17,7 @@ log = logging.getLogger("specd.metrics")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SEQ_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 @dataclass
@@ -106,6 +107,8 @@ class WorkerPrometheus:
         r = self.registry = registry or CollectorRegistry()
         self.batch = Histogram("specd_worker_decode_batch_size", "Tokens per llama_decode", buckets=BATCH_BUCKETS, registry=r)
         self.latency = Histogram("specd_worker_decode_latency_seconds", "llama_decode latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.sequences = Histogram("specd_worker_decode_batch_sequences", "Sequences sharing one llama_decode (continuous batching)",
+                                   buckets=SEQ_BUCKETS, registry=r)
         self.engine = None
         r.register(self)
 
@@ -113,9 +116,10 @@ class WorkerPrometheus:
         self.engine = engine
         engine.on_decode = self.on_decode
 
-    def on_decode(self, n_tokens: int, seconds: float) -> None:
+    def on_decode(self, n_tokens: int, seconds: float, n_sequences: int = 1) -> None:
         self.batch.observe(n_tokens)
         self.latency.observe(seconds)
+        self.sequences.observe(n_sequences)
 
     def collect(self):
         e = self.engine

@@ -1,0 +1,114 @@
+"""Adaptive speculation and the batching scheduler's windows, without models."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from router.adaptive import Acceptance, Controller, CostCurve, choose_draft_length, expected_tokens
+from specd.scheduler import op_key, take_window
+
+
+# ------------------------------------------------------------------ adaptive
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = CostCurve([(1, 0.010), (4, 0.016), (16, 0.040)])
+    assert c(1) == pytest.approx(0.010)
+    assert c(2) == pytest.approx(0.012)  # between 1 and 4
+    assert c(10) == pytest.approx(0.028)
+    assert c(32) == pytest.approx(0.072)  # the last slope goes on
+    c.observe(4, 0.026, weight=0.5)  # moving average of a measured point
+    assert c(4) == pytest.approx(0.021)
+    assert len(CostCurve()) == 0
+
+
+# a target whose cost hardly grows with the batch (a big model on a GPU) and
+# one whose cost is proportional to it (compute-bound, as small models on CPU)
+FLAT = CostCurve([(1, 0.030), (8, 0.031), (64, 0.036), (512, 0.080)])
+PROPORTIONAL = CostCurve([(1, 0.010), (8, 0.080), (64, 0.640)])
+CHEAP_DRAFT = CostCurve([(1, 0.002), (16, 0.004)])
+
+
+def test_flat_target_speculates_fully_and_a_saturated_one_not_at_all():
+    assert choose_draft_length(0.8, 6, 1, FLAT, CHEAP_DRAFT) == 6
+    assert choose_draft_length(0.8, 6, 16, FLAT, CHEAP_DRAFT) >= 3  # the draft's own cost trims it
+    assert choose_draft_length(0.99, 6, 1, PROPORTIONAL, CHEAP_DRAFT) == 0
+
+
+def test_draft_length_shrinks_with_load_and_poor_acceptance():
+    # cost flat up to 8 tokens, then growing: a machine with some spare compute
+    knee = CostCurve([(1, 0.030), (8, 0.032), (16, 0.060), (64, 0.220)])
+    ks = [choose_draft_length(0.9, 8, b, knee, CHEAP_DRAFT) for b in (1, 2, 4, 8, 16)]
+    assert ks[0] >= 4 and ks == sorted(ks, reverse=True) and ks[-1] == 0, ks
+    assert choose_draft_length(0.2, 8, 1, knee, CHEAP_DRAFT) < choose_draft_length(0.9, 8, 1, knee, CHEAP_DRAFT)
+
+
+def test_hidden_drafting_makes_speculation_pay():
+    slow_draft = CostCurve([(1, 0.030), (8, 0.090)])
+    target = CostCurve([(1, 0.030), (8, 0.040), (64, 0.200)])
+    assert choose_draft_length(0.9, 4, 1, target, slow_draft, hidden=0.0) == 0
+    assert choose_draft_length(0.9, 4, 1, target, slow_draft, hidden=0.9) == 4
+
+
+def test_without_a_cost_curve_the_request_bound_is_used():
+    assert choose_draft_length(0.1, 5, 8, CostCurve([(1, 0.03)]), CostCurve()) == 5
+
+
+def test_acceptance_learns_and_grows_uncertain_when_not_drafting():
+    a = Acceptance(prior=0.5)
+    for _ in range(30):
+        a.tick()
+        a.observe(4, 4)
+    assert a.rate > 0.9
+    b = Acceptance(prior=0.9)
+    for _ in range(30):
+        b.tick()
+        b.observe(4, 0)
+    low = b.optimistic
+    assert b.rate < 0.2
+    for _ in range(100):  # steps without drafts: the evidence fades, optimism returns
+        b.tick()
+    assert b.optimistic > low + 0.3
+
+
+def test_controller_prior_follows_other_sessions():
+    c = Controller()
+    s = c.new_session()
+    for _ in range(50):
+        c.observe_step(s, 4, 1)
+    assert c.new_session().prior < 0.6
+
+
+# ------------------------------------------------------------------ scheduler
+def _key(op):
+    return op_key(op[0], op[1])
+
+
+def test_window_batches_distinct_sequences_and_keeps_per_sequence_order():
+    q = collections.deque([("verify", 0), ("verify", 1), ("seq_rm", 2), ("decode", 2), ("seq_rm", 0), ("verify", 3)])
+    w = take_window(q, _key)
+    assert w.pre == [("seq_rm", 2)]
+    assert w.batch == [("verify", 0), ("verify", 1), ("decode", 2)]
+    assert list(q) == [("seq_rm", 0), ("verify", 3)]  # seq 0 is in the batch: its seq_rm waits
+    w = take_window(q, _key)
+    assert w.pre == [("seq_rm", 0)] and w.batch == [("verify", 3)] and not q
+
+
+def test_window_stops_at_a_second_op_on_a_batched_sequence():
+    q = collections.deque([("propose", 0), ("propose", 0), ("propose", 1)])
+    assert take_window(q, _key).batch == [("propose", 0)]
+    assert take_window(q, _key).batch == [("propose", 0), ("propose", 1)]
+
+
+def test_barriers_run_alone():
+    q = collections.deque([("verify", 0), ("checkpoint_restore", None), ("verify", 1)])
+    assert take_window(q, _key).items == [("verify", 0)]
+    assert take_window(q, _key).items == [("checkpoint_restore", None)]
+    q = collections.deque([("clear", -1), ("verify", 1)])
+    assert take_window(q, _key).items == [("clear", -1)]
