@@ -297,13 +297,28 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--out", default="results", help="folder for bench.json, bench.md, bench.png")
+    p.add_argument("--concurrency", default="",
+                   help="load benchmark instead: comma list of concurrent sessions, e.g. 1,2,4,8,16 (target-only, "
+                        "fixed and adaptive draft length; uses the first of --drafts and --draft-lengths)")
+    p.add_argument("--requests-per-session", type=int, default=2, help="load benchmark: requests each session sends")
+    p.add_argument("--min-requests", type=int, default=8, help="load benchmark: at least this many requests per cell")
     p.set_defaults(fn=main)
 
 
 def main(args) -> int:
-    result = bench(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.concurrency:
+        from specd import bench_load
+
+        result = bench_load.bench_load(args)
+        (out / "bench-load.json").write_text(json.dumps(result, indent=2))
+        md = bench_load.markdown(result)
+        (out / "bench-load.md").write_text(md)
+        print(md)
+        print(f"wrote {out / 'bench-load.json'}, {out / 'bench-load.md'}")
+        return 1 if result["greedy_output_mismatches"] else 0
+    result = bench(args)
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     md = markdown(result)
     (out / "bench.md").write_text(md)

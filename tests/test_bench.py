@@ -25,3 +25,21 @@ def test_bench_smoke(tmp_path, models):
             assert r["overhead_ms_per_step_median"] >= 0
     assert "| distributed | q4_1 | 2 |" in (out / "bench.md").read_text()
     assert (out / "bench.png").stat().st_size > 1000
+
+
+def test_bench_load_smoke(tmp_path, models):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--concurrency", "1,2", "--drafts", "q4_1", "--draft-lengths", "3",
+         "--max-tokens", "10", "--requests-per-session", "1", "--min-requests", "2", "--repeats", "1",
+         "--n-ctx", "512", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "bench-load.json").read_text())
+    cells = {(r["concurrency"], r["mode"]) for r in result["rows"]}
+    assert cells == {(c, m) for c in (1, 2) for m in ("target-only", "fixed", "adaptive")}
+    assert result["greedy_output_mismatches"] == []
+    fixed = next(r for r in result["rows"] if r["mode"] == "fixed" and r["concurrency"] == 1)
+    assert fixed["acceptance"] is not None and fixed["tok_s_median"] > 0
+    assert "| 2 | adaptive |" in (out / "bench-load.md").read_text()
