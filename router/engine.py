@@ -100,6 +100,7 @@ class Result:
     n_shifts: int = 0
     n_cached: int = 0  # prompt tokens the prompt cache kept
     n_divergences: int = 0
+    n_failovers: int = 0  # times the session moved to another target worker
     n_ahead_used: int = 0  # steps whose drafts were computed during the previous verification
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -129,9 +130,16 @@ class SeqPool:
         self.waiters: list[asyncio.Future] = []
         self.cached: dict[int, list[int]] = {}
         self.cached_d: dict[int, int] = {}
+        self.cached_on: dict[int, object] = {}  # the target worker holding cached[seq]
 
     def take_cache(self, seq: int) -> tuple[list[int], int]:
+        self.cached_on.pop(seq, None)
         return self.cached.pop(seq, []), self.cached_d.pop(seq, 0)
+
+    def forget_target(self, target) -> None:
+        """A target worker lost its sequences (down or restarted)."""
+        for seq in [q for q, t in self.cached_on.items() if t is target]:
+            self.take_cache(seq)
 
     def forget_draft(self) -> None:
         """The draft worker lost its sequences (restart): nothing of it is cached."""
@@ -173,9 +181,23 @@ class SeqPool:
         self.free.append(seq)
 
 
+@dataclass
+class TargetSlot:
+    """One target worker: several can serve one router (failover, load)."""
+
+    client: object
+    name: str
+    info: ModelInfo | None = None
+    up: bool = False
+    n_active: int = 0  # sessions on it
+    watching: bool = False
+
+
 class _Session:
     def __init__(self, seq: int, params: GenParams, result: Result):
         self.seq = seq
+        self.tgt: TargetSlot | None = None
+        self.target = None  # self.tgt.client
         self.p = params
         self.ctx = list(params.prompt)
         self.n_t = 0  # tokens of ctx the target holds
@@ -196,7 +218,10 @@ class _Session:
 
 class Router:
     def __init__(self, target, draft, settings: RouterSettings):
-        self.target = target
+        """`target`: one worker client or a list (sessions spread over the live
+        ones; a session whose target dies resumes on another)."""
+        targets = list(target) if isinstance(target, (list, tuple)) else [target]
+        self.targets = [TargetSlot(c, getattr(c, "name", f"target {i}")) for i, c in enumerate(targets)]
         self.draft = draft
         self.settings = settings
         self.step_observers: list[Callable[[StepStats], None]] = []
@@ -208,15 +233,31 @@ class Router:
         self.n_generating = 0  # sessions past their prompt: the batch adaptive speculation plans for
 
     # ---------------------------------------------------------------- start
+    @property
+    def target(self):
+        """A live target worker (for tokenizing)."""
+        return next((t.client for t in self.targets if t.up), self.targets[0].client)
+
     async def start(self) -> None:
-        """Learn both models; refuse a draft whose vocabulary differs. A draft
-        that does not answer is attached later by a watcher."""
-        self.target_info = await self.target.model_info()
-        self.eog = frozenset(self.target_info.eog_tokens)
-        self.n_ctx = self.target_info.n_ctx_seq
-        self.pool = SeqPool(self.target_info.n_seq, self.settings.max_queue)
-        self.controller.target = CostCurve(self.target_info.decode_costs)
-        await _done(self.target.clear(-1))  # start from empty sequences whatever came before
+        """Learn the models; refuse a draft (or further target) whose
+        vocabulary differs. Needs one target answering; targets and a draft
+        that do not answer are attached later by watchers."""
+        first_error = None
+        for t in self.targets:
+            if t.up:
+                continue
+            try:
+                await self._attach_target(t)
+            except FailedPrecondition:
+                raise
+            except SpecdError as exc:
+                first_error = first_error or exc
+        if not any(t.up for t in self.targets):
+            raise first_error
+        for t in self.targets:
+            if not t.up:
+                log.warning("%s unavailable, serving with the others until it answers", t.name)
+                self._watch(t)
         if self.draft is not None:
             deadline = time.monotonic() + self.settings.draft_wait
             while True:
@@ -231,6 +272,61 @@ class Router:
                         self._watcher = asyncio.get_running_loop().create_task(self._watch_draft())
                         break
                     await asyncio.sleep(0.2)
+
+    async def _attach_target(self, t: TargetSlot) -> None:
+        info = await t.client.model_info()
+        if self.target_info is None:
+            self.target_info = info
+            self.eog = frozenset(info.eog_tokens)
+            self.n_ctx = info.n_ctx_seq
+            self.pool = SeqPool(info.n_seq, self.settings.max_queue)
+            self.controller.target = CostCurve(info.decode_costs)
+        else:
+            check_vocab(self.target_info, info, "target")
+        await _done(t.client.clear(-1))  # start from empty sequences whatever came before
+        self.pool.forget_target(t)
+        self.n_ctx = min(self.n_ctx, info.n_ctx_seq)
+        self.pool.capacity = min(self.pool.capacity, info.n_seq)
+        self.pool.free = [i for i in self.pool.free if i < info.n_seq]
+        t.info, t.up = info, True
+
+    def _watch(self, t: TargetSlot) -> None:
+        if not t.watching:
+            t.watching = True
+            asyncio.get_running_loop().create_task(self._watch_target(t))
+
+    async def _watch_target(self, t: TargetSlot, interval: float = 2.0) -> None:
+        try:
+            while not t.up:
+                await asyncio.sleep(interval)
+                if t.n_active:  # sessions still on it (a slow call, not a dead worker) must move or end first
+                    continue
+                try:
+                    await self._attach_target(t)
+                    log.info("%s attached", t.name)
+                except FailedPrecondition as exc:
+                    log.error("%s refused: %s", t.name, exc)
+                    return
+                except SpecdError:
+                    pass
+        finally:
+            t.watching = False
+
+    def _pick_target(self, seq: int) -> TargetSlot:
+        """The least busy live target; the one holding this sequence's prompt
+        cache when it is about as free."""
+        live = [t for t in self.targets if t.up]
+        if not live:
+            raise Unavailable("no target worker is available")
+        best = min(live, key=lambda t: t.n_active)
+        holder = self.pool.cached_on.get(seq)
+        if holder in live and holder.n_active <= best.n_active + 1:
+            return holder
+        if holder is not None:  # the cache stays behind on the other worker: drop it there
+            self.pool.take_cache(seq)
+            if holder.up:
+                asyncio.get_running_loop().create_task(_quiet(holder.client.clear(seq)))
+        return best
 
     async def _attach_draft(self) -> None:
         info = await self.draft.model_info()
@@ -302,8 +398,17 @@ class Router:
         """Yield the accepted tokens step by step; fill `result` as it goes.
         Closing the iterator early (cancel, stop string) frees the sequence."""
         self.validate(p)
+        if not any(t.up for t in self.targets):
+            raise Unavailable("no target worker is available")
         seq = await self.pool.acquire(p.prompt)
         s = _Session(seq, p, result)
+        try:
+            s.tgt = self._pick_target(seq)
+        except Unavailable:
+            self.pool.release(seq)
+            raise
+        s.target = s.tgt.client
+        s.tgt.n_active += 1
         use_draft = self.draft is not None and self.draft_up and p.speculative is not False
         result.speculative = s.with_draft = use_draft
         s.acc = self.controller.new_session()
@@ -312,19 +417,30 @@ class Router:
         try:
             t0 = time.perf_counter()
             use_draft = await self._reuse(s, use_draft)
-            use_draft = await self._prefill(s, use_draft)
+            try:
+                use_draft = await self._prefill(s, use_draft)
+            except (Unavailable, DeadlineExceeded) as exc:
+                use_draft = await self._failover(s, exc, use_draft)
             result.prompt_seconds = time.perf_counter() - t0
             self.n_generating += 1
             generating = True
             t_gen = time.perf_counter()
             limit = p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p)
             while True:
-                if len(s.ctx) > self.n_ctx:  # no position left for id_last
-                    if not self._can_shift(p):
-                        result.reason = "length"
-                        break
-                    use_draft = await self._context_shift(s, use_draft)
-                out, pieces, use_draft = await self._step(s, use_draft, limit - result.n_generated)
+                n_before = None
+                try:
+                    if len(s.ctx) > self.n_ctx:  # no position left for id_last
+                        if not self._can_shift(p):
+                            result.reason = "length"
+                            break
+                        use_draft = await self._context_shift(s, use_draft)
+                    n_before = len(s.ctx)
+                    out, pieces, use_draft = await self._step(s, use_draft, limit - result.n_generated)
+                except (Unavailable, DeadlineExceeded) as exc:
+                    if n_before is not None:
+                        del s.ctx[n_before:]  # the failed step's tokens were not handed out
+                    use_draft = await self._failover(s, exc, use_draft)
+                    continue
                 out, pieces, finish = self._cut(out, pieces, limit - result.n_generated)
                 result.n_generated += len(out)
                 result.generation_seconds = time.perf_counter() - t_gen
@@ -370,7 +486,7 @@ class Router:
         if swa and len(cached) - n > MAX_DRAFT:
             n = 0  # a sliding-window cache may no longer hold what the positions before n need
         if len(cached) > n:
-            s.pending_t.append(await (self.target.seq_rm(s.seq, n, -1) if n else self.target.clear(s.seq)))
+            s.pending_t.append(await (s.target.seq_rm(s.seq, n, -1) if n else s.target.clear(s.seq)))
         s.n_t = n
         s.res.n_cached = n
         n_d = min(cached_d, n) if use_draft else 0
@@ -390,7 +506,7 @@ class Router:
         pend_t, pend_d = s.pending_t, s.pending_d
         s.pending_t, s.pending_d = [], []
         if s.n_t < n:
-            pend_t.append(await self.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
+            pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
         if use_draft and s.n_d < n:
             pend_d.append(await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n]))
         results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
@@ -420,7 +536,7 @@ class Router:
             k = self.controller.choose(s.acc, k, self.n_generating, s.hidden)
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
-            s.pending_t.append(await self.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
+            s.pending_t.append(await s.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
             s.n_t = n - 1
 
         drafts: list[int] = []
@@ -460,8 +576,8 @@ class Router:
             cont = await self.draft.propose(seq, held_d, drafts[-1:], next_k + 1, 0, p_min)
 
         t1 = time.perf_counter()
-        ck_t = (await self.target.checkpoint_save(seq)) if ckpt and drafts else None
-        ver = await _done(self.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt))
+        ck_t = (await s.target.checkpoint_save(seq)) if ckpt and drafts else None
+        ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt))
         out = ver.tokens
         t_verify = time.perf_counter() - t1
         self.controller.target.observe(ver.batch_tokens, ver.batch_seconds)
@@ -471,10 +587,10 @@ class Router:
         if ck_t is not None:
             handle = (await ck_t).handle
             if a < len(drafts):
-                s.pending_t.append(await self.target.checkpoint_restore(handle, drop=True))
-                s.pending_t.append(await self.target.decode(seq, n - 1, [ctx[-1]] + drafts[:a]))
+                s.pending_t.append(await s.target.checkpoint_restore(handle, drop=True))
+                s.pending_t.append(await s.target.decode(seq, n - 1, [ctx[-1]] + drafts[:a]))
             else:
-                s.pending_t.append(await self.target.checkpoint_drop(handle))
+                s.pending_t.append(await s.target.checkpoint_drop(handle))
         s.n_t = keep
 
         if cont is not None:
@@ -530,6 +646,53 @@ class Router:
             obs(stats)
         return out, ver.pieces, use_draft
 
+    async def _failover(self, s: _Session, exc: SpecdError, use_draft: bool) -> bool:
+        """The session's target failed: continue on another live target by
+        replaying the history (same output: greedy is deterministic and
+        sampling uses the token index's random number). No other target:
+        the request fails with the error."""
+        while True:
+            old = s.tgt
+            if old.up:
+                old.up = False
+                self.pool.forget_target(old)
+                self._watch(old)
+            live = [t for t in self.targets if t.up]
+            if not live:
+                raise exc
+            log.warning("%s failed for seq %d, resuming on another target: %s", old.name, s.seq, exc)
+            for fut in s.pending_t:
+                if not fut.done():
+                    fut.cancel()
+            s.pending_t = []
+            old.n_active -= 1
+            s.tgt = min(live, key=lambda t: t.n_active)
+            s.target = s.tgt.client
+            s.tgt.n_active += 1
+            s.res.n_failovers += 1
+            s.n_t = 0
+            try:
+                n = len(s.ctx) - 1
+                if n:
+                    await _done(s.target.decode(s.seq, 0, s.ctx[:n]))
+                s.n_t = n
+                break
+            except (Unavailable, DeadlineExceeded) as again:
+                exc = again
+        if use_draft and s.ahead:  # lookahead past the failed step: drop it
+            s.ahead = []
+            try:
+                await _done(self.draft.seq_rm(s.seq, s.n_d, -1))
+            except SpecdError as err:
+                use_draft = self._draft_failed(s, err)
+        if use_draft and s.n_d > len(s.ctx) - 1:
+            try:
+                await _done(self.draft.seq_rm(s.seq, len(s.ctx) - 1, -1))
+                s.n_d = len(s.ctx) - 1
+            except SpecdError as err:
+                use_draft = self._draft_failed(s, err)
+        return use_draft
+
     async def _settle(self, s: _Session, use_draft: bool, wait: bool = True) -> bool:
         """Collect the pipelined operations' results. A target failure fails the
         request; a draft failure only turns the draft off for this session.
@@ -569,7 +732,7 @@ class Router:
 
     # ------------------------------------------------------------- alignment
     async def _check_alignment(self, s: _Session, use_draft: bool) -> bool:
-        futs = [await self.target.state(s.seq)]
+        futs = [await s.target.state(s.seq)]
         if use_draft:
             futs.append(await self.draft.state(s.seq))
         states = await asyncio.gather(*futs, return_exceptions=True)
@@ -589,7 +752,10 @@ class Router:
             if problem:
                 s.res.n_divergences += 1
                 log.error("draft worker diverged (seq %d): %s; re-syncing it from history", s.seq, problem)
-                await self._resync_draft(s)
+                try:
+                    await self._resync_draft(s)
+                except SpecdError as exc:
+                    return self._draft_failed(s, exc)
         return use_draft
 
     async def _resync_draft(self, s: _Session) -> None:
@@ -609,7 +775,7 @@ class Router:
         if use_draft and s.ahead:  # lookahead drafts do not survive a shift
             s.pending_d.append(await self.draft.seq_rm(s.seq, s.n_d, -1))
             s.ahead = []
-        workers = [(self.target, "n_t", s.pending_t)]
+        workers = [(s.target, "n_t", s.pending_t)]
         if use_draft:
             workers.append((self.draft, "n_d", s.pending_d))
         for w, attr, pending in workers:
@@ -641,7 +807,7 @@ class Router:
             elif s.with_draft:
                 futs.append(await self.draft.clear(s.seq))
         else:
-            futs = [await self.target.clear(s.seq)]
+            futs = [await s.target.clear(s.seq)]
             if s.with_draft:
                 futs.append(await self.draft.clear(s.seq))
         try:
@@ -650,14 +816,24 @@ class Router:
         except Exception:  # the workers may be gone; the sequence is freed all the same
             log.warning("could not clear seq %d on the workers", s.seq)
             ok = False
+        s.tgt.n_active -= 1
         if keep and ok:
             self.pool.cached[s.seq] = s.ctx[: s.n_t]
             self.pool.cached_d[s.seq] = n_d
+            self.pool.cached_on[s.seq] = s.tgt
         elif keep:  # unknown state: start the next session from empty sequences
-            for w in [self.target] + ([self.draft] if s.with_draft else []):
+            for w in [s.target] + ([self.draft] if s.with_draft else []):
                 fut = await w.clear(s.seq)
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.pool.release(s.seq)
+
+
+async def _quiet(issue) -> None:
+    """Issue an operation whose result does not matter."""
+    try:
+        await (await issue)
+    except (SpecdError, asyncio.CancelledError):
+        pass
 
 
 async def _done(issue):
@@ -683,13 +859,13 @@ def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:
     return ""
 
 
-def check_vocab(target: ModelInfo, draft: ModelInfo) -> None:
+def check_vocab(target: ModelInfo, draft: ModelInfo, role: str = "draft") -> None:
     """The draft must tokenize like the target (model-free drafters have no vocabulary)."""
     if draft.n_vocab == 0 and not draft.vocab_fingerprint:
         return
     if draft.n_vocab != target.n_vocab or draft.vocab_fingerprint != target.vocab_fingerprint:
         raise FailedPrecondition(
-            f"the draft model {draft.model_path or draft.description!r} (n_vocab {draft.n_vocab}) does not share "
+            f"the {role} model {draft.model_path or draft.description!r} (n_vocab {draft.n_vocab}) does not share "
             f"the vocabulary of the target model {target.model_path or target.description!r} "
             f"(n_vocab {target.n_vocab}); speculative decoding needs identical vocabularies"
         )

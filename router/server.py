@@ -61,9 +61,10 @@ async def serve(cfg: RouterConfig) -> None:
         return GrpcWorker(address, name, timeout=cfg.worker_timeout, credentials=worker_creds,
                           server_name=cfg.worker_tls_server_name)
 
-    target = worker(cfg.target, "target")
+    addresses = [a.strip() for a in cfg.target.split(",") if a.strip()]
+    targets = [worker(a, "target" if len(addresses) == 1 else f"target {i}") for i, a in enumerate(addresses)]
     draft = worker(cfg.draft, "draft") if cfg.draft else None
-    router = Router(target, draft, settings_of(cfg))
+    router = Router(targets, draft, settings_of(cfg))
     metrics = RouterPrometheus()
     router.step_observers.append(metrics.observe_step)
     servicer = RouterServicer(router, metrics, limits)
@@ -93,7 +94,8 @@ async def serve(cfg: RouterConfig) -> None:
                  ", API keys required" if interceptors else "")
 
     async def close():
-        await target.close()
+        for target in targets:
+            await target.close()
         if draft is not None:
             await draft.close()
 

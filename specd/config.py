@@ -123,7 +123,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
 
 def add_router_flags(p: argparse.ArgumentParser) -> None:
     add_server_flags(p, 50051)
-    add(p, "--target", str, "", "target worker HOST:PORT")
+    add(p, "--target", str, "", "target worker HOST:PORT; a comma list of several spreads sessions over them "
+                                "and moves a session whose target dies to another")
     add(p, "--draft", str, "", "draft worker HOST:PORT (none: target-only)")
     add(p, "--n-max", int, 4, "default draft tokens per step")
     add(p, "--n-min", int, 0, "default minimum draft tokens worth verifying")

@@ -36,6 +36,7 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     draft_args: list[str] = field(default_factory=list)
     metrics: bool = False  # give every process a /metrics port (cluster.metrics_ports)
+    n_targets: int = 1  # target workers: "target", "target2", ...
     router_credentials: grpc.ChannelCredentials | None = None  # a router serving TLS: how to reach its health
 
 
@@ -126,13 +127,16 @@ class Cluster:
         s = self.spec
         deadline = time.monotonic() + timeout
         try:
-            self.procs["target"] = Proc("target", [*self._worker_args("target", s.target_threads), "--model", s.target_model], self.workdir)
+            names = ["target"] + [f"target{i + 1}" for i in range(1, s.n_targets)]
+            for name in names:
+                self.procs[name] = Proc(name, [*self._worker_args("target", s.target_threads), "--model", s.target_model],
+                                        self.workdir)
             draft_addr = ""
             if s.draft_model or s.ngram:
                 src = ["--ngram", s.ngram] if s.ngram else ["--model", s.draft_model]
                 self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *src, *s.draft_args], self.workdir)
                 draft_addr = f"{s.host}:{self.procs['draft'].wait_port(deadline)}"
-            target_addr = f"{s.host}:{self.procs['target'].wait_port(deadline)}"
+            target_addr = ",".join(f"{s.host}:{self.procs[n].wait_port(deadline)}" for n in names)
             args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr,
                     *self._metrics_args("router"), *s.router_args]
             if draft_addr:
@@ -147,7 +151,7 @@ class Cluster:
 
     def stop(self) -> dict[str, int]:
         codes = {}
-        for name in ("router", "draft", "target"):
+        for name in ["router", "draft", *[n for n in self.procs if n.startswith("target")]]:
             if name in self.procs:
                 codes[name] = self.procs[name].stop()
         if self._tmp is not None:
