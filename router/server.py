@@ -87,6 +87,8 @@ async def serve(cfg: RouterConfig) -> None:
         metrics.draft_up.set_function(lambda: 1 if router.draft_up else 0)
         metrics.sessions_running.set_function(lambda: router.pool.n_running)
         metrics.sessions_queued.set_function(lambda: len(router.pool.waiters))
+        metrics.prompt_cache_tokens.set_function(lambda: sum(len(t) for t in router.pool.cached.values()))
+        metrics.targets_up.set_function(lambda: sum(t.up for t in router.targets))
         servicer.ready = True
         await life.set_serving(True)
         log.info("router ready: target %s%s%s%s", cfg.target, f", draft {cfg.draft}" if cfg.draft else " (no draft)",

@@ -83,6 +83,9 @@ class RouterPrometheus:
         self.rpc_latency = Histogram("specd_worker_rpc_latency_seconds", "Worker call latency seen by the router", ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
         self.sessions_running = Gauge("specd_sessions_running", "Sessions holding a sequence", registry=r)
         self.sessions_queued = Gauge("specd_sessions_queued", "Sessions waiting for a sequence", registry=r)
+        self.prompt_cache_tokens = Gauge("specd_prompt_cache_tokens",
+                                         "Tokens free sequences keep on their target for the prompt cache", registry=r)
+        self.targets_up = Gauge("specd_target_workers_up", "Target workers in use", registry=r)
         self.draft_up = Gauge("specd_draft_worker_up", "1 when the draft worker is in use", registry=r)
         self.logging = SpecDecodingLogging()
 

@@ -55,13 +55,20 @@ def test_metrics_move_with_a_generation(metered):
     assert value(r, "specd_worker_rpc_latency_seconds_count", worker="target", method="verify") >= c.n_steps
     assert value(r, "specd_draft_worker_up") == 1
     assert value(r, "specd_sessions_running") == 0
+    assert value(r, "specd_target_workers_up") == 1
+    # the finished session's sequence is free and keeps its KV for the prompt cache:
+    # the target holds the history (but its last token), the draft a prefix of it
+    cached = value(r, "specd_prompt_cache_tokens")
+    assert cached >= c.n_prompt + c.n_generated - 1  # a last step may accept past the end
     for role in ("target", "draft"):
         w = scrape(ports[role])
         assert value(w, "specd_worker_decode_batch_size_count") > 0
         assert value(w, "specd_worker_decode_latency_seconds_count") > 0
+        assert value(w, "specd_worker_decode_batch_sequences_count") > 0
         assert value(w, "specd_worker_kv_cells_total") == 2 * 1024
-        assert value(w, "specd_worker_sequences_in_use") == 0  # freed when the request ended
-        assert value(w, "specd_worker_kv_cells_used") == 0
+        assert value(w, "specd_worker_sequences_in_use") == 1
+        used = value(w, "specd_worker_kv_cells_used")
+        assert used == cached if role == "target" else 0 < used <= cached
 
 
 def health(address: str) -> int | None:
