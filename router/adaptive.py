@@ -6,12 +6,16 @@ B * (k + 1) tokens. Each step the router picks, per session, the k in
 [0, n_max] that maximises expected tokens per second of a round:
 
     E(a, k) = 1 + a + ... + a^k               (tokens a step yields)
-    T(k)    = t_target(B * (k + 1)) + (1 - h) * k * t_draft(B)
+    T(k)    = k * t_d + t_t                   (no overlap)
+    T(k)    = (1 - h) * k * t_d + max(t_t, (k + 1) * t_d)   (overlap)
     k*      = argmax_k E(a, k) / T(k),        k = 0 is target-only
 
-with `a` the session's acceptance rate (a geometric model of how far drafts
-match, as in the speculative decoding papers), `h` the share of drafting that
-overlap hides behind verification, and t_target / t_draft the workers'
+with t_t = t_target(B * (k + 1)), t_d = t_draft(B), `a` the session's
+acceptance rate (a geometric model of how far drafts match, as in the
+speculative decoding papers) and `h` the share of steps whose drafts overlap
+already made. With overlap the draft drafts the next k + 1 tokens while the
+target verifies, on its own compute: a round lasts as long as the slower of
+the two, plus the drafting nobody hid. t_target / t_draft are the workers'
 measured decode costs: the curve each worker timed when it loaded, refreshed
 with the batches the router sees. Pure functions and small classes, so they
 are tested without models.
@@ -112,19 +116,29 @@ class Acceptance:
         return min(1.0, self.rate + self.bonus / (1.0 + self.accepted + self.rejected) ** 0.5)
 
 
+def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
+                  hidden: float = 0.0, overlap: bool = False) -> float:
+    """T(k): seconds of one step of B sessions drafting k tokens each."""
+    b = max(n_sessions, 1)
+    t_t = target(b * (k + 1))
+    if k <= 0:
+        return t_t
+    t_d = draft(b)
+    if not overlap:
+        return k * t_d + t_t
+    return (1.0 - hidden) * k * t_d + max(t_t, (k + 1) * t_d)
+
+
 def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve, draft: CostCurve,
-                        hidden: float = 0.0, margin: float = 0.03) -> int:
+                        hidden: float = 0.0, overlap: bool = False, margin: float = 0.03) -> int:
     """The k in [0, n_max] with the most expected tokens per second of a
     round; speculation must beat target-only by `margin` to be chosen."""
-    b = max(n_sessions, 1)
     if len(target) < 2 or n_max <= 0:  # no idea yet how cost grows with the batch: do not adapt
         return n_max
-    t_draft = draft(b)
-    base = 1.0 / max(target(b), 1e-9)
-    best_k, best = 0, base * (1.0 + margin)
+    best_k = 0
+    best = (1.0 + margin) / max(round_seconds(0, n_sessions, target, draft), 1e-9)
     for k in range(1, n_max + 1):
-        cost = target(b * (k + 1)) + (1.0 - hidden) * k * t_draft
-        rate = expected_tokens(a, k) / max(cost, 1e-9)
+        rate = expected_tokens(a, k) / max(round_seconds(k, n_sessions, target, draft, hidden, overlap), 1e-9)
         if rate > best:
             best_k, best = k, rate
     return best_k
@@ -150,5 +164,5 @@ class Controller:
             self.overall.tick()
             self.overall.observe(n_drafted, n_accepted)
 
-    def choose(self, acc: Acceptance, n_max: int, n_sessions: int, hidden: float) -> int:
-        return choose_draft_length(acc.optimistic, n_max, n_sessions, self.target, self.draft, hidden)
+    def choose(self, acc: Acceptance, n_max: int, n_sessions: int, hidden: float, overlap: bool) -> int:
+        return choose_draft_length(acc.optimistic, n_max, n_sessions, self.target, self.draft, hidden, overlap)

@@ -533,7 +533,7 @@ class Router:
         k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0
         adaptive = p.adaptive if p.adaptive is not None else self.settings.adaptive
         if adaptive and k > 0:
-            k = self.controller.choose(s.acc, k, self.n_generating, s.hidden)
+            k = self.controller.choose(s.acc, k, self.n_generating, s.hidden, self.settings.overlap)
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
             s.pending_t.append(await s.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
