@@ -63,6 +63,7 @@ class WorkerConfig(ServerConfig):
     n_gpu_layers: int = 0
     max_checkpoint_bytes: int = 1 << 30
     calibrate: bool = True
+    batch_wait_ms: float = 10.0
 
 
 @dataclass
@@ -119,6 +120,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     add(p, "--n-batch", int, 512, "largest batch decoded at once")
     add(p, "--n-gpu-layers", int, 0, "layers offloaded to the GPU (CUDA builds)")
     add(p, "--calibrate", bool, True, "time decode batches at load (the router's prior for adaptive speculation)")
+    add(p, "--batch-wait-ms", float, 10.0, "longest wait (and at most a fifth of the last batch's time) for the "
+        "last batch's sequences to send their next operation, so they batch together (0: never wait)")
 
 
 def add_router_flags(p: argparse.ArgumentParser) -> None:

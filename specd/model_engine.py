@@ -1,6 +1,7 @@
 """`ModelEngine`: a WorkerEngine whose sequences live in a llama.cpp context."""
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -8,6 +9,9 @@ import numpy as np
 from specd.engine import ModelInfo, Steps, WorkerEngine
 from specd.errors import Internal, InvalidArgument, ResourceExhausted
 from specd.llama import DecodeError, LlamaConfig, LlamaModel
+
+
+log = logging.getLogger("specd.engine")
 
 
 class ModelEngine(WorkerEngine):
@@ -42,9 +46,12 @@ class ModelEngine(WorkerEngine):
             decode_costs=self.decode_costs,
         )
 
-    def calibrate(self, max_tokens: int = 64, repeats: int = 2) -> None:
+    def calibrate(self, max_tokens: int = 64, repeats: int = 5) -> None:
         """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens (the
-        router's prior for adaptive speculation); leaves the sequences empty."""
+        router's prior for adaptive speculation); leaves the sequences empty.
+        Each size keeps its fastest of `repeats` runs, and a bigger batch is
+        never reported cheaper than a smaller one (another process on the
+        same cores can slow any single run)."""
         costs = []
         n = 1
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
@@ -56,9 +63,10 @@ class ModelEngine(WorkerEngine):
                 self.model.decode(0, 0, toks[:n], 1)
                 best = min(best, time.perf_counter() - t0)
                 self.model.seq_rm(0, -1, -1)
-            costs.append((n, best))
+            costs.append((n, max(best, costs[-1][1] if costs else 0.0)))
             n *= 2
         self.decode_costs = tuple(costs)
+        log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in costs))
 
     # ------------------------------------------------------------- storage
     def _decode_g(self, seq_id: int, pos: int, toks: np.ndarray, n_logits: int) -> Steps:

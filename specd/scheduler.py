@@ -9,6 +9,14 @@ sequences runs just before. Operations on one sequence keep their order, and
 every stream gets its results in the order it sent its operations. While a
 batch computes on the engine thread, what arrives meanwhile queues up for the
 next one.
+
+Each sequence's next operation comes back a round trip through the router
+after its result. Starting the next round at once would take only the
+sequences that missed the last one, and the active sequences would split into
+two half batches taking turns, each waiting out the other's. So before a
+round the scheduler waits until the sequences of the last two rounds have
+sent their next operation, at most `gather_factor` of the last round's duration and
+`gather_max` seconds (as vLLM's scheduler delay factor).
 """
 from __future__ import annotations
 
@@ -123,8 +131,13 @@ class Scheduler:
 
     RECENT = 1.0  # seconds a sequence counts as active after its last operation
 
-    def __init__(self, runner: EngineRunner, run_round, key, n_tokens):
+    def __init__(self, runner: EngineRunner, run_round, key, n_tokens,
+                 gather_max: float = 0.010, gather_factor: float = 0.2):
         self.runner = runner
+        self.gather_max = gather_max
+        self.gather_factor = gather_factor
+        self._last_batches: collections.deque = collections.deque(maxlen=2)  # sequences of the last rounds' batches
+        self._last_seconds = 0.0
         self.run_round = run_round
         self.key = key
         self.n_tokens = n_tokens
@@ -149,12 +162,34 @@ class Scheduler:
             del self._seen[s]
         return len(self._seen)
 
+    def _missing(self) -> bool:
+        """Whether a sequence of the last two batches has not sent its next
+        operation yet (two: sequences that took turns in half batches)."""
+        expected = set().union(*self._last_batches)
+        if len(expected) < 2:
+            return False
+        queued = {self.key(op)[1] for op, _ in self.queue}
+        return not expected <= queued
+
+    async def _gather(self) -> None:
+        wait = min(self.gather_max, self.gather_factor * self._last_seconds)
+        deadline = time.monotonic() + wait
+        while wait > 0 and self._missing():
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                return
+            if time.monotonic() >= deadline:
+                return
+
     async def _loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self.queue:
                 await asyncio.sleep(0)  # operations that already arrived join this round
+                await self._gather()
                 taken = take_window(self.queue, lambda item: self.key(item[0]))
                 window = Window([op for op, _ in taken.pre], [op for op, _ in taken.batch])
                 now = time.monotonic()
@@ -164,10 +199,14 @@ class Scheduler:
                         self._seen[seq] = now
                 n_tokens = sum(self.n_tokens(op) for op in window.items)
                 inline = self._active() <= 1
+                t0 = time.monotonic()
                 try:
                     results = await self.runner.run(self.run_round, window, n_tokens, inline)
                 except Exception as exc:  # loading, or a bug: every operation of the round gets it
                     results = [exc] * len(window.items)
+                self._last_seconds = time.monotonic() - t0
+                if window.batch:
+                    self._last_batches.append({self.key(op)[1] for op in window.batch})
                 self.rounds += 1
                 self.batched_ops += len(window.batch)
                 for (_, fut), res in zip(taken.items, results):

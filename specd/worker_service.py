@@ -180,8 +180,9 @@ def _execute_one(engine, op: pb.WorkerOp) -> pb.WorkerResult:
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runner: EngineRunner):
+    def __init__(self, runner: EngineRunner, batch_wait: float = 0.010):
         self.runner = runner
+        self.batch_wait = batch_wait
         self.scheduler: Scheduler | None = None  # made on first use, on the server's event loop
 
     async def GetModelInfo(self, request, context):
@@ -234,7 +235,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Ops go to the shared scheduler as they arrive (so they can batch with
         other streams' and sequences'); results go back in this stream's order."""
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens)
+            self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens, gather_max=self.batch_wait)
         results: asyncio.Queue = asyncio.Queue()
 
         async def write_results() -> None:
@@ -265,9 +266,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             writer.cancel()
 
 
-def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str) -> list[str]:
+def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str, batch_wait: float = 0.010) -> list[str]:
     """Add the Worker service and the role's own service; return their names."""
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, batch_wait), server)
     names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
     if role == "target":
         pb_grpc.add_TargetWorkerServicer_to_server(TargetServicer(runner), server)
@@ -301,7 +302,7 @@ async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
     from specd.server import run_until_stopped, start_metrics, start_server
 
     runner = EngineRunner()
-    life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role), cfg.port_file,
+    life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role, cfg.batch_wait_ms / 1e3), cfg.port_file,
                               credentials=server_credentials_of(cfg))
     metrics = WorkerPrometheus()
     start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
