@@ -10,20 +10,25 @@ B * (k + 1) tokens. Each step the router picks, per session, the k in
     T(k)    = (1 - h) * k * t_d + max(t_t, (k + 1) * t_d)   (overlap)
     k*      = argmax_k E(a, k) / T(k),        k = 0 is target-only
 
-with t_t = t_target(B * (k + 1)), t_d = t_draft(B), `a` the session's
+with t_t = t_target(B * (k + 1)) for the B sessions on the session's target,
+t_d = t_draft(D) for the D sessions sharing the draft, `a` the session's
 acceptance rate (a geometric model of how far drafts match, as in the
 speculative decoding papers) and `h` the share of steps whose drafts overlap
 already made. With overlap the draft drafts the next k + 1 tokens while the
 target verifies, on its own compute: a round lasts as long as the slower of
 the two, plus the drafting nobody hid. t_target / t_draft are the workers'
 measured decode costs: the curve each worker timed when it loaded, refreshed
-with the batches the router sees. Pure functions and small classes, so they
-are tested without models.
+with the batches the router sees. A draft that fell behind (it is not fed
+while a session does not draft, nor prefilled when drafting could not pay)
+first decodes what it missed: that cost is spread over the steps left. Pure
+functions and small classes, so they are tested without models.
 """
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -39,29 +44,36 @@ def expected_tokens(a: float, k: int) -> float:
 
 class CostCurve:
     """Seconds of one decode as a function of the tokens in the batch:
-    piecewise linear through the points measured so far, each an
-    exponential moving average; linear beyond the last point."""
+    piecewise linear through the points the worker timed when it loaded,
+    linear beyond the last. Those points are taken on an idle worker, both
+    workers alike, so the two curves compare fairly; what the machine adds
+    under load shows in the measured step times (`Slowdown`). A worker that
+    did not calibrate gets the decodes the router sees as its points."""
 
     def __init__(self, points=(), weight: float = 0.2):
         self.weight = weight
         self._n: list[int] = []
         self._t: list[float] = []
         for n, t in points:
-            self.observe(n, t, weight=1.0)
+            self._add(n, t, 1.0)
+        self.calibrated = len(self._n) >= 2
 
     def __len__(self) -> int:
         return len(self._n)
 
-    def observe(self, n: int, seconds: float, weight: float | None = None) -> None:
+    def _add(self, n: int, seconds: float, weight: float) -> None:
         if n <= 0 or seconds <= 0:
             return
         i = bisect.bisect_left(self._n, n)
         if i < len(self._n) and self._n[i] == n:
-            w = self.weight if weight is None else weight
-            self._t[i] += w * (seconds - self._t[i])
+            self._t[i] += weight * (seconds - self._t[i])
         else:
             self._n.insert(i, n)
             self._t.insert(i, seconds)
+
+    def observe(self, n: int, seconds: float) -> None:
+        if not self.calibrated:
+            self._add(n, seconds, self.weight)
 
     def __call__(self, n: float) -> float:
         if not self._n:
@@ -117,44 +129,120 @@ class Acceptance:
 
 
 def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
-                  hidden: float = 0.0, overlap: bool = False) -> float:
-    """T(k): seconds of one step of B sessions drafting k tokens each."""
+                  hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None) -> float:
+    """T(k): seconds of one step of n_sessions sessions on the target, each
+    verifying k drafts, while n_drafting sessions (default the same) share
+    the draft."""
     b = max(n_sessions, 1)
     t_t = target(b * (k + 1))
     if k <= 0:
         return t_t
-    t_d = draft(b)
+    t_d = draft(max(n_drafting if n_drafting is not None else b, 1))
     if not overlap:
         return k * t_d + t_t
     return (1.0 - hidden) * k * t_d + max(t_t, (k + 1) * t_d)
 
 
+def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draft: CostCurve,
+                      hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
+                      lag: int = 0, remaining: int = 0) -> float:
+    """T(k) plus this step's share of catching a lagging draft up (e: the
+    tokens a step is expected to yield)."""
+    t = round_seconds(k, n_sessions, target, draft, hidden, overlap, n_drafting)
+    if k > 0 and lag > 0:
+        t += draft(lag) / max(remaining / e, 1.0)
+    return t
+
+
 def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve, draft: CostCurve,
-                        hidden: float = 0.0, overlap: bool = False, margin: float = 0.03) -> int:
+                        hidden: float = 0.0, overlap: bool = False, margin: float = 0.03,
+                        n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
+                        slowdown: float = 1.0) -> int:
     """The k in [0, n_max] with the most expected tokens per second of a
-    round; speculation must beat target-only by `margin` to be chosen."""
+    round; speculation must beat target-only by `margin` to be chosen. A
+    draft `lag` tokens behind must decode them first: that one decode is
+    spread over the steps left for `remaining` tokens (all of it when 0).
+    `slowdown`: how much more than predicted drafting steps have taken,
+    relative to steps without drafts."""
     if len(target) < 2 or n_max <= 0:  # no idea yet how cost grows with the batch: do not adapt
         return n_max
     best_k = 0
     best = (1.0 + margin) / max(round_seconds(0, n_sessions, target, draft), 1e-9)
     for k in range(1, n_max + 1):
-        rate = expected_tokens(a, k) / max(round_seconds(k, n_sessions, target, draft, hidden, overlap), 1e-9)
+        e = expected_tokens(a, k)
+        cost = slowdown * predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining)
+        rate = e / max(cost, 1e-9)
         if rate > best:
             best_k, best = k, rate
     return best_k
 
 
 @dataclass
+class Slowdown:
+    """Measured step time over predicted step time at one load level, for
+    steps that drafted and steps that did not (moving averages). What the
+    model misses (router and RPC time, processes sharing cores, drafts
+    arriving late) shows in their ratio. What drafting steps showed fades
+    back to the plain steps' figure with `half_life` seconds, so drafting is
+    tried again; one session at a time tries it (`probe`) while drafting is
+    untried or known to be slow, so sessions do not all pay for the lesson
+    at once."""
+
+    drafting: float = 1.0
+    plain: float = 1.0
+    stamp: float = 0.0  # time of the last drafting step
+    probe_until: float = 0.0  # a session is trying drafting until then
+    half_life: float = 30.0
+
+    def ratio(self, now: float) -> float:
+        fade = 0.5 ** (max(now - self.stamp, 0.0) / self.half_life)
+        drafting = self.plain + (self.drafting - self.plain) * fade
+        return drafting / max(self.plain, 1e-9)
+
+
+@dataclass
 class Controller:
     """What the router keeps for adaptive speculation: both workers' cost
-    curves and the acceptance seen across sessions (the prior of a new one)."""
+    curves, the acceptance seen across sessions (the prior of a new one) and
+    the slowdown per load level (sessions on the target, in powers of two)."""
 
     target: CostCurve = field(default_factory=CostCurve)
     draft: CostCurve = field(default_factory=CostCurve)
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
+    slowdowns: dict[int, Slowdown] = field(default_factory=dict)
+    weight: float = 0.1  # of a measured step without drafts in the slowdown averages
+    weight_drafting: float = 0.3  # of a measured step with drafts (fewer of them)
+    slow: float = 1.2  # drafting slower than this many times the model's figure: one session probes at a time
+    probe_seconds: float = 5.0
+    clock: Callable[[], float] = time.monotonic
 
     def new_session(self) -> Acceptance:
         return Acceptance(prior=self.overall.rate)
+
+    def slowdown(self, n_sessions: int) -> Slowdown:
+        return self.slowdowns.setdefault(max(n_sessions, 1).bit_length(), Slowdown())
+
+    def choose(self, acc: Acceptance | None, n_max: int, n_sessions: int, hidden: float, overlap: bool,
+               n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> int:
+        """A session's draft length this step; acc None asks whether drafting
+        could pay at all now (acceptance 1)."""
+        if len(self.target) < 2:  # no idea yet how cost grows with the batch: do not adapt
+            return n_max
+        a = 1.0 if acc is None else acc.optimistic
+        slow, now = self.slowdown(n_sessions), self.clock()
+        k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
+                                n_drafting=n_drafting, lag=lag, remaining=remaining, slowdown=slow.ratio(now))
+        if k > 0 and acc is not None and (slow.stamp == 0.0 or slow.drafting > self.slow * slow.plain):
+            if now < slow.probe_until:
+                return 0
+            slow.probe_until = now + self.probe_seconds
+        return k
+
+    def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
+                n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> float:
+        """The model's seconds for a step drafting k (no slowdown applied)."""
+        e = expected_tokens(1.0 if acc is None else acc.rate, k)
+        return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag, remaining)
 
     def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
         """After every step (n_drafted 0 when it did not draft)."""
@@ -164,5 +252,17 @@ class Controller:
             self.overall.tick()
             self.overall.observe(n_drafted, n_accepted)
 
-    def choose(self, acc: Acceptance, n_max: int, n_sessions: int, hidden: float, overlap: bool) -> int:
-        return choose_draft_length(acc.optimistic, n_max, n_sessions, self.target, self.draft, hidden, overlap)
+    def observe_time(self, n_sessions: int, drafted: bool, predicted: float, seconds: float) -> None:
+        """A step's measured seconds against what `predict` said."""
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = min(max(seconds / predicted, 0.1), 10.0)
+        slow = self.slowdown(n_sessions)
+        if drafted:
+            now = self.clock()
+            fade = 0.5 ** (max(now - slow.stamp, 0.0) / slow.half_life)
+            slow.drafting = slow.plain + (slow.drafting - slow.plain) * fade
+            slow.drafting += self.weight_drafting * (ratio - slow.drafting)
+            slow.stamp, slow.probe_until = now, 0.0
+        else:
+            slow.plain += self.weight * (ratio - slow.plain)

@@ -230,7 +230,6 @@ class Router:
         self.draft_up = False
         self.pool: SeqPool | None = None
         self.controller = Controller()
-        self.n_generating = 0  # sessions past their prompt: the batch adaptive speculation plans for
 
     # ---------------------------------------------------------------- start
     @property
@@ -413,17 +412,14 @@ class Router:
         result.speculative = s.with_draft = use_draft
         s.acc = self.controller.new_session()
         s.hidden = 0.5 if self.settings.overlap else 0.0
-        generating = False
         try:
             t0 = time.perf_counter()
             use_draft = await self._reuse(s, use_draft)
             try:
-                use_draft = await self._prefill(s, use_draft)
+                use_draft = await self._prefill(s, use_draft, use_draft and self._draft_could_pay(s))
             except (Unavailable, DeadlineExceeded) as exc:
                 use_draft = await self._failover(s, exc, use_draft)
             result.prompt_seconds = time.perf_counter() - t0
-            self.n_generating += 1
-            generating = True
             t_gen = time.perf_counter()
             limit = p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p)
             while True:
@@ -452,8 +448,6 @@ class Router:
                     result.reason = finish
                     break
         finally:
-            if generating:
-                self.n_generating -= 1
             await self._release(s, use_draft)
 
     def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
@@ -499,15 +493,32 @@ class Router:
         s.n_d = n_d
         return use_draft
 
-    async def _prefill(self, s: _Session, use_draft: bool) -> bool:
-        """Decode the prompt but its last token on both workers at once (what
-        the prompt cache did not keep)."""
+    def _adaptive(self, p) -> bool:
+        return p.adaptive if p.adaptive is not None else self.settings.adaptive
+
+    def _n_sessions(self) -> int:
+        return sum(t.n_active for t in self.targets)
+
+    def _draft_could_pay(self, s: _Session) -> bool:
+        """Whether to prefill the draft: with adaptive speculation, not when
+        drafting could not pay at the current load even if every draft were
+        accepted (the draft catches up in its first Propose if that changes)."""
+        p = s.p
+        if not self._adaptive(p):
+            return True
+        n_max = p.n_max if p.n_max is not None else self.settings.n_max
+        return self.controller.choose(None, n_max, s.tgt.n_active, s.hidden, self.settings.overlap,
+                                      self._n_sessions()) > 0
+
+    async def _prefill(self, s: _Session, use_draft: bool, draft_too: bool = True) -> bool:
+        """Decode the prompt but its last token on the target and (draft_too)
+        the draft at once (what the prompt cache did not keep)."""
         n = len(s.ctx) - 1
         pend_t, pend_d = s.pending_t, s.pending_d
         s.pending_t, s.pending_d = [], []
         if s.n_t < n:
             pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
-        if use_draft and s.n_d < n:
+        if use_draft and draft_too and s.n_d < n:
             pend_d.append(await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n]))
         results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
         for r in results[: len(pend_t)]:
@@ -518,7 +529,8 @@ class Router:
             for r in results[len(pend_t) :]:
                 if isinstance(r, BaseException):
                     return self._draft_failed(s, r)
-            s.n_d = n
+            if draft_too:
+                s.n_d = n
         return use_draft
 
     # ------------------------------------------------------------------ step
@@ -531,9 +543,11 @@ class Router:
         n_min = p.n_min if p.n_min is not None else self.settings.n_min
         p_min = p.p_min if p.p_min is not None else self.settings.p_min
         k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0
-        adaptive = p.adaptive if p.adaptive is not None else self.settings.adaptive
-        if adaptive and k > 0:
-            k = self.controller.choose(s.acc, k, self.n_generating, s.hidden, self.settings.overlap)
+        load = (s.tgt.n_active, s.hidden, self.settings.overlap, self._n_sessions(),
+                0 if s.ahead else n - 1 - s.n_d, remaining)
+        if k > 0 and self._adaptive(p):
+            k = self.controller.choose(s.acc, k, *load)
+        predicted = self.controller.predict(s.acc, k, *load)
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
             s.pending_t.append(await s.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
@@ -642,8 +656,15 @@ class Router:
         s.res.draft_compute_seconds += c_draft + c_cont
         s.res.verify_compute_seconds += ver.compute_seconds
         s.res.steps_seconds += stats.step_seconds
+        self.controller.observe_time(load[0], k > 0, predicted, stats.step_seconds)
         for obs in self.step_observers:
             obs(stats)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step seq=%d mode=%s sessions=%d k=%d accepted=%d ahead=%d step_ms=%.0f draft_ms=%.0f "
+                      "verify_ms=%.0f verify_batch=%d predicted_ms=%.0f slowdown=%.2f", seq,
+                      "adaptive" if self._adaptive(p) and s.with_draft else ("fixed" if s.with_draft else "target"),
+                      load[0], len(drafts), a, ahead_used, stats.step_seconds * 1e3, t_draft * 1e3, t_verify * 1e3,
+                      ver.batch_tokens, predicted * 1e3, self.controller.slowdown(load[0]).ratio(time.monotonic()))
         return out, ver.pieces, use_draft
 
     async def _failover(self, s: _Session, exc: SpecdError, use_draft: bool) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
@@ -23,16 +24,26 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert c(2) == pytest.approx(0.012)  # between 1 and 4
     assert c(10) == pytest.approx(0.028)
     assert c(32) == pytest.approx(0.072)  # the last slope goes on
-    c.observe(4, 0.026, weight=0.5)  # moving average of a measured point
-    assert c(4) == pytest.approx(0.021)
     assert len(CostCurve()) == 0
+
+
+def test_cost_curve_keeps_its_calibration_and_learns_without_one():
+    c = CostCurve([(1, 0.010), (4, 0.016), (16, 0.040)])
+    c.observe(4, 0.032)  # measured under load: the load shows in Slowdown, not here
+    assert c(4) == pytest.approx(0.016)
+    d = CostCurve(weight=0.5)  # a worker that did not calibrate: observations are the points
+    d.observe(8, 0.050)
+    d.observe(1, 0.010)
+    d.observe(8, 0.070)
+    assert d(8) == pytest.approx(0.060) and d(1) == pytest.approx(0.010)
 
 
 # a target whose cost hardly grows with the batch (a big model on a GPU) and
 # one whose cost is proportional to it (compute-bound, as small models on CPU)
 FLAT = CostCurve([(1, 0.030), (8, 0.031), (64, 0.036), (512, 0.080)])
 PROPORTIONAL = CostCurve([(1, 0.010), (8, 0.080), (64, 0.640)])
-CHEAP_DRAFT = CostCurve([(1, 0.002), (16, 0.004)])
+CHEAP_DRAFT_POINTS = [(1, 0.002), (16, 0.004)]
+CHEAP_DRAFT = CostCurve(CHEAP_DRAFT_POINTS)
 
 
 def test_flat_target_speculates_fully_and_a_saturated_one_not_at_all():
@@ -125,3 +136,57 @@ def test_barriers_run_alone():
     assert take_window(q, _key).items == [("checkpoint_restore", None)]
     q = collections.deque([("clear", -1), ("verify", 1)])
     assert take_window(q, _key).items == [("clear", -1)]
+
+
+def test_scheduler_waits_for_the_last_batch_to_come_back():
+    """Two sequences whose next operations arrive a few ms apart still share
+    one round, instead of taking turns in half batches."""
+    import asyncio
+
+    from specd.scheduler import EngineRunner, Scheduler
+
+    rounds = []
+
+    def run_round(engine, window):
+        rounds.append(sorted(op[1] for op in window.batch))
+        time.sleep(0.020)
+        return [None] * len(window.items)
+
+    async def main():
+        sched = Scheduler(EngineRunner(engine=object()), run_round, _key, lambda op: 1, gather_max=0.010)
+        await asyncio.gather(sched.submit(("verify", 0)), sched.submit(("verify", 1)))
+        first = sched.submit(("verify", 0))
+        await asyncio.sleep(0.003)  # the other sequence's router turnaround
+        await asyncio.gather(first, sched.submit(("verify", 1)))
+        # a sequence that does not come back costs one bounded wait
+        t0 = time.perf_counter()
+        await sched.submit(("verify", 0))
+        return time.perf_counter() - t0
+
+    alone = asyncio.run(main())
+    assert rounds == [[0, 1], [0, 1], [0]]
+    assert alone < 0.020 + 0.010 + 0.010
+
+
+def test_controller_learns_that_drafting_is_slower_than_modelled_and_tries_again_later():
+    now = [100.0]
+    c = Controller(target=CostCurve([(1, 0.030), (8, 0.032), (64, 0.220)]), draft=CostCurve(CHEAP_DRAFT_POINTS),
+                   clock=lambda: now[0])
+    a, b = c.new_session(), c.new_session()
+    load = (2, 0.0, True, 2)  # 2 sessions on the target, no overlap hit yet, overlap on, 2 on the draft
+    assert c.choose(a, 4, *load) > 0  # untried: one session probes ...
+    assert c.choose(b, 4, *load) == 0  # ... the other waits for the lesson
+    k = c.choose(a, 4, *load)
+    assert k == 0  # still probing (no observation yet)
+    # probes: drafting steps took 4 times what the model said; plain steps as predicted
+    for _ in range(4):
+        c.observe_time(2, True, c.predict(a, 4, *load), 4 * c.predict(a, 4, *load))
+    for _ in range(5):
+        c.observe_time(2, False, c.predict(a, 0, *load), c.predict(a, 0, *load))
+    assert c.slowdown(2).ratio(now[0]) > 3
+    assert c.choose(a, 4, *load) == 0 and c.choose(b, 4, *load) == 0
+    now[0] += 120  # four half-lives: the lesson faded, one session tries again
+    assert c.choose(a, 4, *load) > 0 and c.choose(b, 4, *load) == 0
+    for _ in range(3):
+        c.observe_time(2, True, c.predict(a, 4, *load), c.predict(a, 4, *load))
+    assert c.choose(a, 4, *load) > 0 and c.choose(b, 4, *load) > 0  # drafting is fine now: all draft
