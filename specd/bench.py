@@ -79,6 +79,22 @@ def load_prompts(name: str, limit: int) -> list[str]:
     return [r["prompt"] for r in rows][:limit] if limit else [r["prompt"] for r in rows]
 
 
+def split_drafts(text: str) -> list[str]:
+    """The --drafts list: comma-separated, where an n-gram chain keeps its
+    commas ("q4_1,ngram:map-k,cache" -> ["q4_1", "ngram:map-k,cache"])."""
+    from draft_worker.ngram import PROPOSER_NAMES
+
+    drafts: list[str] = []
+    for part in (d.strip() for d in text.split(",")):
+        if not part:
+            continue
+        if drafts and drafts[-1].lower().startswith("ngram:") and part.split(":")[0] in PROPOSER_NAMES:
+            drafts[-1] += "," + part
+        else:
+            drafts.append(part)
+    return drafts
+
+
 def resolve_draft(name: str) -> tuple[str, str]:
     """(model path, ngram spec) of a draft name: q4_1, q2_k, q8_0, ngram:SPEC or a path."""
     from specd.models import default_models, derived_model
@@ -171,7 +187,7 @@ def bench(args) -> dict:
 
     target_model = resolve_target(args.target)
     prompts = load_prompts(args.workload, args.prompts)
-    drafts = [d.strip() for d in args.drafts.split(",") if d.strip()]
+    drafts = split_drafts(args.drafts)
     lengths = [int(x) for x in args.draft_lengths.split(",")]
     cells: dict[tuple, Cell] = {}
     total = args.repeats * (1 + len(drafts) * len(lengths) * (2 if args.in_process else 1))

@@ -56,11 +56,11 @@ def run_cell(address: str, prompts: list[str], concurrency: int, max_tokens: int
 
 
 def bench_load(args) -> dict:
-    from specd.bench import load_prompts, resolve_draft, resolve_target
+    from specd.bench import load_prompts, resolve_draft, resolve_target, split_drafts
     from specd.launcher import Cluster, ClusterSpec
 
     levels = [int(x) for x in args.concurrency.split(",")]
-    draft = args.drafts.split(",")[0].strip()
+    draft = split_drafts(args.drafts)[0]
     n_draft = int(args.draft_lengths.split(",")[0]) if args.draft_lengths else 4
     target_model = resolve_target(args.target)
     draft_model, ngram = resolve_draft(draft)

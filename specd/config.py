@@ -112,7 +112,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     add_server_flags(p, 50061 if role == "target" else 50062)
     add(p, "--model", str, "", "GGUF model path (default: the default model of this role)")
     if role == "draft":
-        add(p, "--ngram", str, "", "model-free drafter(s): simple|map-k|map-k4v|mod|cache, comma-separated chain")
+        add(p, "--ngram", str, "", "model-free drafter(s): simple|map-k|map-k4v|mod|cache, comma-separated chain; "
+            "llama.cpp parameters after a name, e.g. map-k:size-n=3:size-m=16")
         add(p, "--ngram-cache", str, "", "file the `cache` drafter loads its static n-gram cache from")
     add(p, "--threads", int, 1, "threads for decoding; set it explicitly when processes share cores")
     add(p, "--n-ctx", int, 2048, "context size of one sequence")

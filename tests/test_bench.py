@@ -43,3 +43,11 @@ def test_bench_load_smoke(tmp_path, models):
     fixed = next(r for r in result["rows"] if r["mode"] == "fixed" and r["concurrency"] == 1)
     assert fixed["acceptance"] is not None and fixed["tok_s_median"] > 0
     assert "| 2 | adaptive |" in (out / "bench-load.md").read_text()
+
+
+def test_drafts_list_keeps_ngram_chains_and_parameters():
+    from specd.bench import resolve_draft, split_drafts
+
+    drafts = split_drafts("q4_1, ngram:map-k:size-n=3:size-m=16,cache ,q2_k,ngram:mod")
+    assert drafts == ["q4_1", "ngram:map-k:size-n=3:size-m=16,cache", "q2_k", "ngram:mod"]
+    assert resolve_draft(drafts[1]) == ("", "map-k:size-n=3:size-m=16,cache")

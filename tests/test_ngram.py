@@ -411,3 +411,30 @@ def test_make_proposer_rejects_unknown_names(spec, bad):
 def test_make_proposer_rejects_repeats():
     with pytest.raises(ValueError, match="'mod' appears twice"):
         make_proposer("mod,simple,mod")
+
+
+def test_make_proposer_takes_llama_cpp_parameters():
+    p = make_proposer("simple:size-n=3:size-m=16")
+    assert (p.size_n, p.size_m) == (3, 16)
+    chain = make_proposer("map-k4v:size-n=2:size-m=8:min-hits=2, mod:n-match=4:n-min=0:n-max=16, cache")
+    mk, mod, _ = chain.members
+    assert (mk.key_only, mk.size_n, mk.size_m, mk.min_hits) == (False, 2, 8, 2)
+    assert (mod.n_match, mod.n_min, mod.n_max) == (4, 0, 16)
+    # a short n-gram drafts where the default 12-token key cannot
+    r = unique_tokens(60, seed=5)
+    hist = r + r[:3]
+    assert make_proposer("simple").propose(hist, 8) == []
+    assert make_proposer("simple:size-n=3:size-m=8").propose(hist, 8) == r[3:11]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("simple:size-x=3", ["'size-x'", "size-n, size-m"]),
+    ("mod:n-match=abc", ["mod:n-match", "'abc'"]),
+    ("simple:size-n", ["simple:size-n", "integer"]),
+    ("mod:n-match=0", ["'mod:n-match=0'", "n_match", "[1, 1024]"]),
+    ("cache:size-n=2", ["'size-n'", "none"]),
+])
+def test_make_proposer_rejects_bad_parameters(spec, words):
+    with pytest.raises(ValueError) as err:
+        make_proposer(spec)
+    assert all(w in str(err.value) for w in words), str(err.value)

@@ -9,6 +9,11 @@ Names (PROPOSER_NAMES) and the llama.cpp type each mirrors:
 A spec such as "map-k,cache" builds a ChainProposer: the first member with a
 non-empty draft wins, in the order given (llama.cpp uses a fixed priority order
 simple, map-k, map-k4v, mod, cache whatever order the names come in).
+
+Each member takes llama.cpp's parameters after its name, `:key=value` each,
+keys named as llama.cpp's flags (--spec-ngram-simple-size-n ->
+`simple:size-n=3`): PARAMETERS lists them. "map-k:size-n=3:size-m=16,cache"
+is a chain of a tuned map-k and a default cache.
 """
 from __future__ import annotations
 
@@ -23,8 +28,18 @@ from .simple import SimpleProposer
 
 PROPOSER_NAMES: tuple[str, ...] = ("simple", "map-k", "map-k4v", "mod", "cache")
 
+# spec key -> constructor argument, per proposer (llama.cpp's --spec-ngram-<name>-<key>)
+_MAP_K = {"size-n": "size_n", "size-m": "size_m", "min-hits": "min_hits"}
+PARAMETERS: dict[str, dict[str, str]] = {
+    "simple": {"size-n": "size_n", "size-m": "size_m"},
+    "map-k": _MAP_K,
+    "map-k4v": _MAP_K,
+    "mod": {"n-match": "n_match", "n-min": "n_min", "n-max": "n_max"},
+    "cache": {},
+}
+
 __all__ = [
-    "PROPOSER_NAMES", "Proposer", "ChainProposer", "make_proposer",
+    "PROPOSER_NAMES", "PARAMETERS", "Proposer", "ChainProposer", "make_proposer",
     "SimpleProposer", "NgramMapProposer", "ModProposer", "ModTable", "CacheProposer",
 ]
 
@@ -76,29 +91,57 @@ class ChainProposer:
             member.reset()
 
 
-def _build(name: str, cache_path: str | os.PathLike | None) -> Proposer:
+def _build(name: str, params: dict[str, int], cache_path: str | os.PathLike | None) -> Proposer:
     if name == "simple":
-        return SimpleProposer()
+        return SimpleProposer(**params)
     if name in ("map-k", "map-k4v"):
-        return NgramMapProposer(key_only=name == "map-k")
+        return NgramMapProposer(key_only=name == "map-k", **params)
     if name == "mod":
-        return ModProposer()
+        return ModProposer(**params)
     return CacheProposer(cache_path=cache_path)
 
 
+def _parse_member(member: str, spec: str) -> tuple[str, dict[str, int]]:
+    """"name:key=value:..." -> (name, constructor arguments)."""
+    name, *pairs = [part.strip() for part in member.split(":")]
+    if name not in PROPOSER_NAMES:
+        raise ValueError(f"unknown n-gram proposer {name!r} in spec {spec!r}; "
+                         f"allowed names: {', '.join(PROPOSER_NAMES)}")
+    allowed = PARAMETERS[name]
+    params: dict[str, int] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        key = key.strip()
+        if key not in allowed:
+            keys = ", ".join(allowed) or "none"
+            raise ValueError(f"n-gram proposer {name!r} has no parameter {key!r} (in spec {spec!r}); "
+                             f"its parameters: {keys}")
+        try:
+            params[allowed[key]] = int(value) if eq else int("")
+        except ValueError:
+            raise ValueError(f"n-gram parameter {name}:{key} must be an integer, got {value.strip()!r} "
+                             f"(in spec {spec!r})") from None
+    return name, params
+
+
 def make_proposer(spec: str, *, cache_path: str | os.PathLike | None = None) -> Proposer:
-    """Build the proposer for `spec`: one name or a comma-separated chain of PROPOSER_NAMES,
-    each with llama.cpp's default parameters. cache_path is loaded by the `cache` member
-    (ignored when there is none). Unknown, empty or repeated names raise ValueError."""
+    """Build the proposer for `spec`: one member or a comma-separated chain,
+    each a name of PROPOSER_NAMES with optional `:key=value` parameters
+    (PARAMETERS; llama.cpp's defaults otherwise). cache_path is loaded by the
+    `cache` member (ignored when there is none). Unknown, empty or repeated
+    names, unknown keys and values out of range raise ValueError."""
     if not isinstance(spec, str):
         raise ValueError(f"proposer spec must be a string, got {type(spec).__name__}")
-    names = [part.strip() for part in spec.split(",")]
-    allowed = ", ".join(PROPOSER_NAMES)
-    for name in names:
-        if name not in PROPOSER_NAMES:
-            raise ValueError(f"unknown n-gram proposer {name!r} in spec {spec!r}; allowed names: {allowed}")
+    members = [_parse_member(part, spec) for part in spec.split(",")]
+    names = [name for name, _ in members]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise ValueError(f"n-gram proposer {repeated[0]!r} appears twice in spec {spec!r}; allowed names: {allowed}")
-    members = [_build(name, cache_path) for name in names]
-    return members[0] if len(members) == 1 else ChainProposer(members)
+        raise ValueError(f"n-gram proposer {repeated[0]!r} appears twice in spec {spec!r}; "
+                         f"allowed names: {', '.join(PROPOSER_NAMES)}")
+    built = []
+    for member, (name, params) in zip(spec.split(","), members):
+        try:
+            built.append(_build(name, params, cache_path))
+        except ValueError as exc:
+            raise ValueError(f"n-gram proposer {member.strip()!r}: {exc}") from None
+    return built[0] if len(built) == 1 else ChainProposer(built)
