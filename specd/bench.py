@@ -110,13 +110,19 @@ def resolve_draft(name: str) -> tuple[str, str]:
 
 
 def resolve_target(name: str) -> str:
-    from specd.models import default_models, gemma3_model
+    """smollm2 (F32, derived from the Q4_1 file), gemma3 (Q4_K_M as shipped),
+    NAME:FTYPE for another precision derived from it (gemma3:F32) or a path."""
+    import pathlib
 
-    if name == "smollm2":
-        return default_models(quiet=True)["target"]
-    if name == "gemma3":
-        return gemma3_model(quiet=True)
-    return name
+    from specd.models import default_models, derive, gemma3_model
+
+    base, _, ftype = name.partition(":")
+    if base not in ("smollm2", "gemma3"):
+        return name
+    path = pathlib.Path(default_models(quiet=True)["target"] if base == "smollm2" else gemma3_model(quiet=True))
+    if not ftype:
+        return str(path)
+    return str(derive(path, path.with_name(f"{path.name.split('.')[0]}.{ftype.upper()}.gguf"), ftype.upper(), quiet=True))
 
 
 # ------------------------------------------------------------------ modes
@@ -301,7 +307,7 @@ def plot(result: dict, path: pathlib.Path) -> bool:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark target-only, in-process and distributed speculative decoding")
-    p.add_argument("--target", default="smollm2", help="smollm2 | gemma3 | PATH")
+    p.add_argument("--target", default="smollm2", help="smollm2 | gemma3 | NAME:FTYPE (e.g. gemma3:F32, derived) | PATH")
     p.add_argument("--drafts", default="q4_1,q2_k", help="comma list: q4_1, q2_k, q8_0, ngram:SPEC or a path")
     p.add_argument("--draft-lengths", default="1,2,4,8")
     p.add_argument("--workload", default="prompts", help="bench/NAME.jsonl or a path")
