@@ -209,6 +209,7 @@ class _Session:
         self.res = result
         result.n_prompt = len(params.prompt)
         self.acc = None  # adaptive speculation: this session's acceptance
+        self.draft_prefill = None  # the draft's prompt decode, when generation did not wait for it
         self.hidden = 0.0  # share of drafting that overlap hid behind verification
         self.with_draft = False  # the draft holds (or held) this sequence
         # pipelined operations not awaited yet, per worker
@@ -519,7 +520,13 @@ class Router:
         if s.n_t < n:
             pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
         if use_draft and draft_too and s.n_d < n:
-            pend_d.append(await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n]))
+            fut = await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n])
+            if self._adaptive(s.p):  # generation starts without waiting: steps do not draft until it is done
+                s.draft_prefill = fut
+                s.pending_d.append(fut)
+                s.n_d = n
+            else:
+                pend_d.append(fut)
         results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
         for r in results[: len(pend_t)]:
             if isinstance(r, BaseException):
@@ -546,7 +553,10 @@ class Router:
         load = (s.tgt.n_active, s.hidden, self.settings.overlap, self._n_sessions(),
                 0 if s.ahead else n - 1 - s.n_d, remaining)
         if k > 0 and self._adaptive(p):
-            k = self.controller.choose(s.acc, k, *load)
+            if s.draft_prefill is not None and not s.draft_prefill.done():
+                k = 0  # the draft still decodes the prompt: the target goes on alone
+            else:
+                k = self.controller.choose(s.acc, k, *load)
         predicted = self.controller.predict(s.acc, k, *load)
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
