@@ -881,10 +881,13 @@ def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:
 
 
 def check_vocab(target: ModelInfo, draft: ModelInfo, role: str = "draft") -> None:
-    """The draft must tokenize like the target (model-free drafters have no vocabulary)."""
-    if draft.n_vocab == 0 and not draft.vocab_fingerprint:
-        return
-    if draft.n_vocab != target.n_vocab or draft.vocab_fingerprint != target.vocab_fingerprint:
+    """The draft must tokenize like the target. Model-free drafters have no
+    vocabulary: only the size they were given (--n-vocab), if any, must match."""
+    if not draft.vocab_fingerprint:
+        mismatch = draft.n_vocab not in (0, target.n_vocab)
+    else:
+        mismatch = draft.n_vocab != target.n_vocab or draft.vocab_fingerprint != target.vocab_fingerprint
+    if mismatch:
         raise FailedPrecondition(
             f"the {role} model {draft.model_path or draft.description!r} (n_vocab {draft.n_vocab}) does not share "
             f"the vocabulary of the target model {target.model_path or target.description!r} "

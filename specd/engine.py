@@ -24,6 +24,9 @@ from specd.tokens import SeqTokens, range_mask
 
 log = logging.getLogger("specd.worker")
 
+# llama.cpp's C API takes positions, deltas and token ids as int32
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
 # An operation written as a generator: it yields the decodes it needs as
 # (seq_id, pos, tokens, n_logits), receives their logits, returns its result.
 Steps = Generator[tuple, Any, Any]
@@ -140,11 +143,15 @@ class WorkerEngine:
         toks = np.asarray(tokens, dtype=np.int64)
         if len(toks) == 0 and not allow_empty:
             raise InvalidArgument(f"{name} must not be empty")
-        if self.n_vocab > 0 and len(toks):
-            bad = np.nonzero((toks < 0) | (toks >= self.n_vocab))[0]
+        if len(toks):
+            # no vocabulary (a model-free drafter without --n-vocab): token ids
+            # are still never negative nor past what llama.cpp's int32 holds
+            hi = self.n_vocab if self.n_vocab > 0 else INT32_MAX + 1
+            bad = np.nonzero((toks < 0) | (toks >= hi))[0]
             if len(bad):
                 i = int(bad[0])
-                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, n_vocab = {self.n_vocab})")
+                bound = f"n_vocab = {self.n_vocab}" if self.n_vocab > 0 else str(hi)
+                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, {bound})")
         return toks.astype(np.int32)
 
     def _check_append(self, seq: SeqTokens, pos: int, n: int, name: str = "pos") -> None:
