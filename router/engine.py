@@ -448,7 +448,13 @@ class Router:
                     result.reason = finish
                     break
         finally:
-            await self._release(s, use_draft)
+            # A cancel (client gone, deadline) may land while the release
+            # awaits the workers; cut short, it would leave the sequence out
+            # of the pool and its KV on the workers. It runs to the end on its
+            # own task whatever happens to this one.
+            release = asyncio.ensure_future(self._release(s, use_draft))
+            release.add_done_callback(_log_release_error)
+            await asyncio.shield(release)
 
     def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
         """Cut a step's tokens after an end-of-generation token or at max_tokens."""
@@ -847,6 +853,11 @@ class Router:
                 fut = await w.clear(s.seq)
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.pool.release(s.seq)
+
+
+def _log_release_error(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("releasing a sequence failed", exc_info=task.exception())
 
 
 async def _quiet(issue) -> None:
