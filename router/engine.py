@@ -225,6 +225,8 @@ class Router:
         self.draft = draft
         self.settings = settings
         self.step_observers: list[Callable[[StepStats], None]] = []
+        # called with "target" or "draft" for every divergence the alignment check finds
+        self.divergence_observers: list[Callable[[str], None]] = []
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self.draft_up = False
@@ -767,7 +769,7 @@ class Router:
             raise states[0]
         problem = _mismatch(states[0], s.ctx, s.n_t)
         if problem:
-            s.res.n_divergences += 1
+            self._diverged(s, "target")
             raise Divergence(f"target worker diverged from the router's history: {problem}")
         if use_draft:
             if isinstance(states[1], BaseException):
@@ -777,13 +779,18 @@ class Router:
             else:
                 problem = _mismatch(states[1], s.ctx, s.n_d)
             if problem:
-                s.res.n_divergences += 1
+                self._diverged(s, "draft")
                 log.error("draft worker diverged (seq %d): %s; re-syncing it from history", s.seq, problem)
                 try:
                     await self._resync_draft(s)
                 except SpecdError as exc:
                     return self._draft_failed(s, exc)
         return use_draft
+
+    def _diverged(self, s: _Session, worker: str) -> None:
+        s.res.n_divergences += 1
+        for obs in self.divergence_observers:
+            obs(worker)
 
     async def _resync_draft(self, s: _Session) -> None:
         await _done(self.draft.clear(s.seq))
