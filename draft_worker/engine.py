@@ -90,17 +90,21 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
 
     kind = "ngram"
 
-    def __init__(self, spec: str, n_seq: int, n_ctx_seq: int, cache_path: str | None = None):
+    def __init__(self, spec: str, n_seq: int, n_ctx_seq: int, cache_path: str | None = None, n_vocab: int = 0):
+        """`n_vocab`: token ids must be below it (the target's vocabulary
+        size); 0: any id llama.cpp could hold. Negative ids are always refused."""
         from draft_worker.ngram import make_proposer
 
-        super().__init__(n_seq, n_ctx_seq, n_vocab=0)
+        if n_vocab < 0:
+            raise ValueError(f"n_vocab must be >= 0 (0: unknown), got {n_vocab}")
+        super().__init__(n_seq, n_ctx_seq, n_vocab=n_vocab)
         self.spec = spec
         kwargs = {"cache_path": cache_path} if cache_path else {}
         self.proposers = [make_proposer(spec, **kwargs) for _ in range(n_seq)]
 
     def info(self) -> ModelInfo:
         return ModelInfo(
-            kind=self.kind, description=f"ngram:{self.spec}", architecture="", n_vocab=0,
+            kind=self.kind, description=f"ngram:{self.spec}", architecture="", n_vocab=self.n_vocab,
             vocab_fingerprint="", n_ctx_seq=self.n_ctx_seq, n_seq=self.n_seq, can_rm_partial=True,
             can_shift=True, n_swa=0, eog_tokens=(), add_bos=False, n_threads=1, model_path="",
         )

@@ -9,7 +9,7 @@ def make_engine(cfg: WorkerConfig):
     if cfg.ngram:
         from draft_worker.engine import NgramEngine
 
-        return NgramEngine(cfg.ngram, cfg.n_seq, cfg.n_ctx, cfg.ngram_cache or None)
+        return NgramEngine(cfg.ngram, cfg.n_seq, cfg.n_ctx, cfg.ngram_cache or None, n_vocab=cfg.n_vocab)
     from draft_worker.engine import DraftModelEngine
     from specd.llama import LlamaConfig
 

@@ -226,6 +226,8 @@ class Router:
         self.draft = draft
         self.settings = settings
         self.step_observers: list[Callable[[StepStats], None]] = []
+        # called with "target" or "draft" for every divergence the alignment check finds
+        self.divergence_observers: list[Callable[[str], None]] = []
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self.draft_up = False
@@ -449,7 +451,13 @@ class Router:
                     result.reason = finish
                     break
         finally:
-            await self._release(s, use_draft)
+            # A cancel (client gone, deadline) may land while the release
+            # awaits the workers; cut short, it would leave the sequence out
+            # of the pool and its KV on the workers. It runs to the end on its
+            # own task whatever happens to this one.
+            release = asyncio.ensure_future(self._release(s, use_draft))
+            release.add_done_callback(_log_release_error)
+            await asyncio.shield(release)
 
     def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
         """Cut a step's tokens after an end-of-generation token or at max_tokens."""
@@ -771,7 +779,7 @@ class Router:
             raise states[0]
         problem = _mismatch(states[0], s.ctx, s.n_t)
         if problem:
-            s.res.n_divergences += 1
+            self._diverged(s, "target")
             raise Divergence(f"target worker diverged from the router's history: {problem}")
         if use_draft:
             if isinstance(states[1], BaseException):
@@ -781,13 +789,18 @@ class Router:
             else:
                 problem = _mismatch(states[1], s.ctx, s.n_d)
             if problem:
-                s.res.n_divergences += 1
+                self._diverged(s, "draft")
                 log.error("draft worker diverged (seq %d): %s; re-syncing it from history", s.seq, problem)
                 try:
                     await self._resync_draft(s)
                 except SpecdError as exc:
                     return self._draft_failed(s, exc)
         return use_draft
+
+    def _diverged(self, s: _Session, worker: str) -> None:
+        s.res.n_divergences += 1
+        for obs in self.divergence_observers:
+            obs(worker)
 
     async def _resync_draft(self, s: _Session) -> None:
         await _done(self.draft.clear(s.seq))
@@ -859,6 +872,11 @@ class Router:
         self.pool.release(s.seq)
 
 
+def _log_release_error(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("releasing a sequence failed", exc_info=task.exception())
+
+
 async def _quiet(issue) -> None:
     """Issue an operation whose result does not matter."""
     try:
@@ -891,10 +909,13 @@ def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:
 
 
 def check_vocab(target: ModelInfo, draft: ModelInfo, role: str = "draft") -> None:
-    """The draft must tokenize like the target (model-free drafters have no vocabulary)."""
-    if draft.n_vocab == 0 and not draft.vocab_fingerprint:
-        return
-    if draft.n_vocab != target.n_vocab or draft.vocab_fingerprint != target.vocab_fingerprint:
+    """The draft must tokenize like the target. Model-free drafters have no
+    vocabulary: only the size they were given (--n-vocab), if any, must match."""
+    if not draft.vocab_fingerprint:
+        mismatch = draft.n_vocab not in (0, target.n_vocab)
+    else:
+        mismatch = draft.n_vocab != target.n_vocab or draft.vocab_fingerprint != target.vocab_fingerprint
+    if mismatch:
         raise FailedPrecondition(
             f"the {role} model {draft.model_path or draft.description!r} (n_vocab {draft.n_vocab}) does not share "
             f"the vocabulary of the target model {target.model_path or target.description!r} "

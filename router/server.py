@@ -67,6 +67,7 @@ async def serve(cfg: RouterConfig) -> None:
     router = Router(targets, draft, settings_of(cfg))
     metrics = RouterPrometheus()
     router.step_observers.append(metrics.observe_step)
+    router.divergence_observers.append(metrics.observe_divergence)
     servicer = RouterServicer(router, metrics, limits)
 
     def register(server):

@@ -56,6 +56,7 @@ class WorkerConfig(ServerConfig):
     model: str = ""
     ngram: str = ""
     ngram_cache: str = ""
+    n_vocab: int = 0  # n-gram drafter: token ids must be below it (0: any non-negative id)
     threads: int = 1
     n_ctx: int = 2048
     n_seq: int = 4
@@ -115,6 +116,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         add(p, "--ngram", str, "", "model-free drafter(s): simple|map-k|map-k4v|mod|cache, comma-separated chain; "
             "llama.cpp parameters after a name, e.g. map-k:size-n=3:size-m=16")
         add(p, "--ngram-cache", str, "", "file the `cache` drafter loads its static n-gram cache from")
+        add(p, "--n-vocab", int, 0, "n-gram drafter: vocabulary size of the target; token ids at or above it "
+            "are refused (0: any non-negative id)")
     add(p, "--threads", int, 1, "threads for decoding; set it explicitly when processes share cores")
     add(p, "--n-ctx", int, 2048, "context size of one sequence")
     add(p, "--n-seq", int, 4, "sequences hosted at once")

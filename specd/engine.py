@@ -24,6 +24,9 @@ from specd.tokens import SeqTokens, range_mask
 
 log = logging.getLogger("specd.worker")
 
+# llama.cpp's C API takes positions, deltas and token ids as int32
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
 # An operation written as a generator: it yields the decodes it needs as
 # (seq_id, pos, tokens, n_logits), receives their logits, returns its result.
 Steps = Generator[tuple, Any, Any]
@@ -140,15 +143,20 @@ class WorkerEngine:
         toks = np.asarray(tokens, dtype=np.int64)
         if len(toks) == 0 and not allow_empty:
             raise InvalidArgument(f"{name} must not be empty")
-        if self.n_vocab > 0 and len(toks):
-            bad = np.nonzero((toks < 0) | (toks >= self.n_vocab))[0]
+        if len(toks):
+            # no vocabulary (a model-free drafter without --n-vocab): token ids
+            # are still never negative nor past what llama.cpp's int32 holds
+            hi = self.n_vocab if self.n_vocab > 0 else INT32_MAX + 1
+            bad = np.nonzero((toks < 0) | (toks >= hi))[0]
             if len(bad):
                 i = int(bad[0])
-                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, n_vocab = {self.n_vocab})")
+                bound = f"n_vocab = {self.n_vocab}" if self.n_vocab > 0 else str(hi)
+                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, {bound})")
         return toks.astype(np.int32)
 
     def _check_append(self, seq: SeqTokens, pos: int, n: int, name: str = "pos") -> None:
         expected = seq.pos_max + 1 if len(seq) else None
+        self._check_int32(**{name: pos})
         if pos < 0:
             raise InvalidArgument(f"{name} must be >= 0, got {pos}")
         if expected is not None and pos != expected:
@@ -162,7 +170,16 @@ class WorkerEngine:
             )
 
     @staticmethod
-    def _check_range(p0: int, p1: int) -> None:
+    def _check_int32(**values: int) -> None:
+        """Values llama.cpp's C API takes as int32: outside that range ctypes
+        would wrap them silently (p0 = 2**31 becomes "from 0")."""
+        for name, v in values.items():
+            if not INT32_MIN <= v <= INT32_MAX:
+                raise InvalidArgument(f"{name} = {v} is outside the int32 range [{INT32_MIN}, {INT32_MAX}]")
+
+    @classmethod
+    def _check_range(cls, p0: int, p1: int) -> None:
+        cls._check_int32(p0=p0, p1=p1)
         if p0 >= 0 and p1 >= 0 and p1 < p0:
             raise InvalidArgument(f"p1 ({p1}) must be >= p0 ({p0}) or negative")
 
@@ -251,14 +268,16 @@ class WorkerEngine:
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> SeqState:
         seq = self._check_seq(seq_id)
         self._check_range(p0, p1)
+        self._check_int32(delta=delta)
         if not self.can_shift:
             raise FailedPrecondition("this model cannot shift positions (llama_memory_can_shift is false)")
-        moved = seq.shifted_positions(p0, p1, delta)
+        moved = seq.shifted_positions(p0, p1, delta)  # int64: an int32 delta cannot wrap
         if len(moved):
             if moved.min() < 0:
-                raise InvalidArgument(f"delta = {delta} would move position {int(moved.min() - delta)} below 0")
+                raise InvalidArgument(f"delta = {delta} would move position {int(moved.min()) - delta} below 0")
             if moved.max() >= self.n_ctx_seq:
-                raise InvalidArgument(f"delta = {delta} would move a position past n_ctx_seq = {self.n_ctx_seq}")
+                raise InvalidArgument(f"delta = {delta} would move position {int(moved.max()) - delta} past "
+                                      f"n_ctx_seq = {self.n_ctx_seq}")
             staying = seq.pos[~range_mask(seq.pos, p0, p1)]
             clash = np.intersect1d(staying, moved)
             if len(clash):
@@ -272,6 +291,7 @@ class WorkerEngine:
         self._check_seq(dst, "seq_id_dst")
         if src == dst:
             raise InvalidArgument("seq_id_src and seq_id_dst must differ")
+        self._check_int32(p0=p0, p1=p1)
         # Sequences live in separate KV streams; llama.cpp copies across
         # streams only whole sequences (and aborts the process otherwise).
         if p0 > 0 or p1 >= 0:

@@ -87,6 +87,11 @@ class RouterPrometheus:
                                          "Tokens free sequences keep on their target for the prompt cache", registry=r)
         self.targets_up = Gauge("specd_target_workers_up", "Target workers in use", registry=r)
         self.draft_up = Gauge("specd_draft_worker_up", "1 when the draft worker is in use", registry=r)
+        self.divergences = Counter("specd_router_divergences", "Divergences the alignment check found, by worker "
+                                   "(target: the request fails; draft: re-synced from the history)", ["worker"],
+                                   registry=r)
+        for worker in ("target", "draft"):
+            self.divergences.labels(worker=worker)  # both series exist from the start, at 0
         self.logging = SpecDecodingLogging()
 
     def observe_step(self, stats) -> None:
@@ -101,6 +106,10 @@ class RouterPrometheus:
             self.rpc_latency.labels(worker="draft", method="propose").observe(stats.draft_seconds)
             self.logging.observe(stats.n_drafted, stats.n_accepted)
         self.rpc_latency.labels(worker="target", method="verify").observe(stats.verify_seconds)
+
+
+    def observe_divergence(self, worker: str) -> None:
+        self.divergences.labels(worker=worker).inc()
 
 
 class WorkerPrometheus:

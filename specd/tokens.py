@@ -76,8 +76,9 @@ class SeqTokens:
         self.pos, self.tok = pos[order], self.tok[order]
 
     def shifted_positions(self, p0: int, p1: int, delta: int) -> np.ndarray:
+        """The positions in [p0, p1) moved by delta, as int64 (no wrapping)."""
         mask = range_mask(self.pos, p0, p1)
-        return self.pos[mask] + delta
+        return self.pos[mask].astype(np.int64) + delta
 
     def clear(self) -> None:
         self.pos, self.tok = _EMPTY, _EMPTY

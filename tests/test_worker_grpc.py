@@ -8,10 +8,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specd.errors import InvalidArgument
 from specd.launcher import Proc
+from specd.llama import LlamaConfig
 from specd.tokens import history_hash
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
+from target_worker.engine import TargetEngine
 
 N_SEQ = 3
 
@@ -131,12 +134,17 @@ BAD = [
     ("Decode", pb.DecodeRequest(seq_id=0, pos=3, tokens=[1] * 254), grpc.StatusCode.OUT_OF_RANGE, "n_ctx_seq"),
     ("SeqRm", pb.SeqRmRequest(seq_id=0, p0=5, p1=2), grpc.StatusCode.INVALID_ARGUMENT, "p1"),
     ("SeqAdd", pb.SeqAddRequest(seq_id=0, p0=0, p1=-1, delta=-5), grpc.StatusCode.INVALID_ARGUMENT, "delta"),
+    # int32 extremes: the shifted positions are computed without wrapping
+    ("SeqAdd", pb.SeqAddRequest(seq_id=0, p0=1, p1=-1, delta=(1 << 31) - 1), grpc.StatusCode.INVALID_ARGUMENT,
+     "delta = 2147483647 would move position 2 past n_ctx_seq"),
+    ("SeqAdd", pb.SeqAddRequest(seq_id=0, p0=1, p1=(1 << 31) - 1, delta=-(1 << 31)), grpc.StatusCode.INVALID_ARGUMENT,
+     "would move position 1 below 0"),
     ("SeqCp", pb.SeqCpRequest(seq_id_src=0, seq_id_dst=0, p0=-1, p1=-1), grpc.StatusCode.INVALID_ARGUMENT, "seq_id_dst"),
     ("CheckpointDrop", pb.CheckpointDropRequest(handle=999999), grpc.StatusCode.NOT_FOUND, "999999"),
 ]
 
 
-@pytest.mark.parametrize("method,request_,code,word", BAD, ids=[f"{m}-{w}" for m, _, _, w in BAD])
+@pytest.mark.parametrize("method,request_,code,word", BAD, ids=[f"{m}-{w[:24]}" for m, _, _, w in BAD])
 def test_bad_input_changes_nothing(target, method, request_, code, word):
     w = target[0]
     w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 2, 3]))
@@ -144,6 +152,40 @@ def test_bad_input_changes_nothing(target, method, request_, code, word):
     got, msg = code_of(getattr(w, method), request_)
     assert got == code and word in msg
     assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0)) == before
+
+
+INT32_EDGE = [
+    ("seq_add", (0, 2, -1, 1 << 31), "delta"),
+    ("seq_add", (0, 2, -1, -(1 << 31) - 1), "delta"),
+    ("seq_add", (0, 1 << 31, -1, 1), "p0"),
+    ("seq_add", (0, 0, 1 << 40, -1), "p1"),
+    ("seq_rm", (0, 1 << 31, -1), "p0"),  # ctypes would wrap it to -2**31: "from 0", removing everything
+    ("seq_rm", (0, 1, 1 << 70), "p1"),
+    ("seq_cp", (0, 1, -(1 << 31) - 1, -1), "p0"),
+    ("decode", (1, 1 << 32, [1]), "pos"),
+]
+
+
+@pytest.mark.parametrize("op,args,field", INT32_EDGE, ids=[f"{o}-{f}-{i}" for i, (o, _, f) in enumerate(INT32_EDGE)])
+def test_values_past_int32_are_invalid_argument_in_process(engine, op, args, field):
+    """In process (the router's LocalWorker) nothing stops a Python int past
+    int32 before llama.cpp's C API, where ctypes would wrap it silently."""
+    engine.clear(-1)
+    engine.decode(0, 0, [1, 2, 3, 4, 5])
+    before = engine.state(0), engine.state(1)
+    with pytest.raises(InvalidArgument) as err:
+        getattr(engine, op)(*args)
+    assert err.value.message.startswith(f"{field} = ") and "int32" in err.value.message
+    # neither the bookkeeping nor llama.cpp's memory moved
+    assert (engine.state(0), engine.state(1)) == before
+    assert (engine.model.seq_pos_min(0), engine.model.seq_pos_max(0)) == (0, 4)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    e = TargetEngine(LlamaConfig(models["target"], n_ctx_seq=256, n_seq=2, n_threads=1))
+    yield e
+    e.model.close()
 
 
 def test_bad_verify_and_wrong_position(target):

@@ -1,0 +1,91 @@
+"""The n-gram draft worker (`specd draft --ngram`) over gRPC: it validates
+token ids like the model workers do, although it has no vocabulary of its
+own, and the router holds it to the target's vocabulary size when given one."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from router.engine import check_vocab
+from specd.engine import ModelInfo
+from specd.errors import FailedPrecondition
+from specd.launcher import Cluster, ClusterSpec, Proc, ProcessDied
+from specd.tokens import history_hash
+from specd.v1 import worker_pb2 as pb
+from specd.v1 import worker_pb2_grpc as pb_grpc
+from tests.test_worker_grpc import wait_serving
+
+N_VOCAB = 49152  # SmolLM2's
+
+
+def start_ngram(tmp_path, *extra) -> tuple[Proc, str]:
+    p = Proc("draft", ["draft", "--ngram", "simple", "--port", "0", "--n-ctx", "256", "--n-seq", "2", *extra], tmp_path)
+    address = f"127.0.0.1:{p.wait_port(time.monotonic() + 60)}"
+    wait_serving(address)
+    return p, address
+
+
+def code_of(fn, req):
+    with pytest.raises(grpc.RpcError) as err:
+        fn(req, timeout=10)
+    return err.value.code(), err.value.details()
+
+
+@pytest.mark.parametrize("n_vocab", [0, N_VOCAB])
+def test_ngram_worker_refuses_negative_and_out_of_vocabulary_ids(tmp_path, n_vocab):
+    proc, address = start_ngram(tmp_path, *(["--n-vocab", str(n_vocab)] if n_vocab else []))
+    try:
+        with grpc.insecure_channel(address) as ch:
+            w, d = pb_grpc.WorkerStub(ch), pb_grpc.DraftWorkerStub(ch)
+            assert w.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).n_vocab == n_vocab
+            w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 2, 3]), timeout=10)
+            before = w.GetSeqState(pb.GetSeqStateRequest(seq_id=0), timeout=10)
+            bad = [
+                (w.Decode, pb.DecodeRequest(seq_id=0, pos=3, tokens=[4, -1]), "tokens[1] = -1"),
+                (w.Decode, pb.DecodeRequest(seq_id=0, pos=3, tokens=[-(1 << 31)]), "tokens[0]"),
+                (d.Propose, pb.ProposeRequest(seq_id=0, pos=3, tokens=[-7], n_max=2), "tokens[0] = -7"),
+                (w.Decode, pb.DecodeRequest(seq_id=1, pos=0, tokens=[5, 6, -2]), "tokens[2]"),
+            ]
+            if n_vocab:
+                bad += [
+                    (w.Decode, pb.DecodeRequest(seq_id=0, pos=3, tokens=[N_VOCAB]), f"n_vocab = {N_VOCAB}"),
+                    (d.Propose, pb.ProposeRequest(seq_id=0, pos=3, tokens=[1, N_VOCAB + 5], n_max=2), "tokens[1]"),
+                ]
+            for fn, req, word in bad:
+                code, msg = code_of(fn, req)
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and word in msg, (req, code, msg)
+                # a refused request changes nothing
+                assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0), timeout=10) == before
+                assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=1), timeout=10).n_tokens == 0
+            if not n_vocab:  # no vocabulary given: any non-negative id is a token
+                s = w.Decode(pb.DecodeRequest(seq_id=0, pos=3, tokens=[N_VOCAB, (1 << 31) - 1]), timeout=10)
+                assert s.token_hash == history_hash([1, 2, 3, N_VOCAB, (1 << 31) - 1])
+            assert proc.popen.poll() is None
+    finally:
+        assert proc.stop() == 0
+
+
+def _info(n_vocab: int, fingerprint: str = "", path: str = "") -> ModelInfo:
+    return ModelInfo(kind="model" if fingerprint else "ngram", description="ngram:simple", architecture="",
+                     n_vocab=n_vocab, vocab_fingerprint=fingerprint, n_ctx_seq=256, n_seq=1, can_rm_partial=True,
+                     can_shift=True, n_swa=0, eog_tokens=(), add_bos=False, n_threads=1, model_path=path)
+
+
+def test_check_vocab_holds_an_ngram_drafter_to_its_vocabulary_size():
+    target = _info(N_VOCAB, "f" * 64, "target.gguf")
+    check_vocab(target, _info(0))  # no vocabulary: any target
+    check_vocab(target, _info(N_VOCAB))
+    with pytest.raises(FailedPrecondition, match="vocabular"):
+        check_vocab(target, _info(1000))
+    with pytest.raises(FailedPrecondition):  # a model's fingerprint must still match
+        check_vocab(target, _info(N_VOCAB, "0" * 64, "other.gguf"))
+
+
+def test_router_refuses_an_ngram_drafter_of_another_vocabulary_size(models):
+    spec = ClusterSpec(target_model=models["target"], ngram="simple", n_ctx=256, n_seq=1,
+                       draft_args=["--n-vocab", "1000"])
+    with pytest.raises(ProcessDied) as err:
+        Cluster(spec).start(timeout=120)
+    assert "router exited" in str(err.value) and "n_vocab 1000" in str(err.value)
