@@ -155,7 +155,7 @@ def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draf
 
 
 def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve, draft: CostCurve,
-                        hidden: float = 0.0, overlap: bool = False, margin: float = 0.03,
+                        hidden: float = 0.0, overlap: bool = False, margin: float = 0.10,
                         n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
                         slowdown: float = 1.0) -> int:
     """The k in [0, n_max] with the most expected tokens per second of a
@@ -183,15 +183,14 @@ class Slowdown:
     steps that drafted and steps that did not (moving averages). What the
     model misses (router and RPC time, processes sharing cores, drafts
     arriving late) shows in their ratio. What drafting steps showed fades
-    back to the plain steps' figure with `half_life` seconds, so drafting is
-    tried again; one session at a time tries it (`probe`) while drafting is
-    untried or known to be slow, so sessions do not all pay for the lesson
-    at once."""
+    back to the plain steps' figure with `half_life` seconds, so that drafting
+    is tried again where it was slow: then all sessions of that load level
+    try it together, as they would draft for good (one session drafting
+    beside others that do not would measure a different batch)."""
 
     drafting: float = 1.0
     plain: float = 1.0
     stamp: float = 0.0  # time of the last drafting step
-    probe_until: float = 0.0  # a session is trying drafting until then
     half_life: float = 30.0
 
     def ratio(self, now: float) -> float:
@@ -212,8 +211,6 @@ class Controller:
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     weight: float = 0.1  # of a measured step without drafts in the slowdown averages
     weight_drafting: float = 0.3  # of a measured step with drafts (fewer of them)
-    slow: float = 1.2  # drafting slower than this many times the model's figure: one session probes at a time
-    probe_seconds: float = 5.0
     clock: Callable[[], float] = time.monotonic
 
     def new_session(self) -> Acceptance:
@@ -229,14 +226,9 @@ class Controller:
         if len(self.target) < 2:  # no idea yet how cost grows with the batch: do not adapt
             return n_max
         a = 1.0 if acc is None else acc.optimistic
-        slow, now = self.slowdown(n_sessions), self.clock()
-        k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
-                                n_drafting=n_drafting, lag=lag, remaining=remaining, slowdown=slow.ratio(now))
-        if k > 0 and acc is not None and (slow.stamp == 0.0 or slow.drafting > self.slow * slow.plain):
-            if now < slow.probe_until:
-                return 0
-            slow.probe_until = now + self.probe_seconds
-        return k
+        slow = self.slowdown(n_sessions)
+        return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
+                                   n_drafting=n_drafting, lag=lag, remaining=remaining, slowdown=slow.ratio(self.clock()))
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> float:
@@ -263,6 +255,6 @@ class Controller:
             fade = 0.5 ** (max(now - slow.stamp, 0.0) / slow.half_life)
             slow.drafting = slow.plain + (slow.drafting - slow.plain) * fade
             slow.drafting += self.weight_drafting * (ratio - slow.drafting)
-            slow.stamp, slow.probe_until = now, 0.0
+            slow.stamp = now
         else:
             slow.plain += self.weight * (ratio - slow.plain)

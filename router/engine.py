@@ -565,7 +565,9 @@ class Router:
                 k = 0  # the draft still decodes the prompt: the target goes on alone
             else:
                 k = self.controller.choose(s.acc, k, *load)
-        predicted = self.controller.predict(s.acc, k, *load)
+        # what this very step should take: its drafts are hidden only if overlap
+        # already made them, and a lagging draft's catch-up is paid in full now
+        predicted = self.controller.predict(s.acc, k, load[0], 1.0 if s.ahead else 0.0, load[2], load[3], load[4])
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
             s.pending_t.append(await s.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
