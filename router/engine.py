@@ -529,7 +529,8 @@ class Router:
             pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
         if use_draft and draft_too and s.n_d < n:
             fut = await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n])
-            if self._adaptive(s.p):  # generation starts without waiting: steps do not draft until it is done
+            if self._adaptive(s.p) and self._n_sessions() > 1:
+                # under load generation starts without waiting: steps do not draft until it is done
                 s.draft_prefill = fut
                 s.pending_d.append(fut)
                 s.n_d = n
