@@ -16,9 +16,9 @@ acceptance rate (a geometric model of how far drafts match, as in the
 speculative decoding papers) and `h` the share of steps whose drafts overlap
 already made. With overlap the draft drafts the next k + 1 tokens while the
 target verifies, on its own compute: a round lasts as long as the slower of
-the two, plus the drafting nobody hid. t_target / t_draft are the workers'
-measured decode costs: the curve each worker timed when it loaded, refreshed
-with the batches the router sees. A draft that fell behind (it is not fed
+the two, plus the drafting nobody hid. t_target / t_draft are the curves
+each worker timed when it loaded; what they miss under load (`Slowdown`) is
+learned from measured step times, per load level. A draft that fell behind (it is not fed
 while a session does not draft, nor prefilled when drafting could not pay)
 first decodes what it missed: that cost is spread over the steps left. Pure
 functions and small classes, so they are tested without models.
@@ -193,10 +193,13 @@ class Slowdown:
     stamp: float = 0.0  # time of the last drafting step
     half_life: float = 30.0
 
-    def ratio(self, now: float) -> float:
+    def faded(self, now: float) -> float:
+        """The drafting figure, faded towards the plain one since the last drafting step."""
         fade = 0.5 ** (max(now - self.stamp, 0.0) / self.half_life)
-        drafting = self.plain + (self.drafting - self.plain) * fade
-        return drafting / max(self.plain, 1e-9)
+        return self.plain + (self.drafting - self.plain) * fade
+
+    def ratio(self, now: float) -> float:
+        return self.faded(now) / max(self.plain, 1e-9)
 
 
 @dataclass
@@ -223,12 +226,10 @@ class Controller:
                n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> int:
         """A session's draft length this step; acc None asks whether drafting
         could pay at all now (acceptance 1)."""
-        if len(self.target) < 2:  # no idea yet how cost grows with the batch: do not adapt
-            return n_max
         a = 1.0 if acc is None else acc.optimistic
-        slow = self.slowdown(n_sessions)
+        slowdown = self.slowdown(n_sessions).ratio(self.clock())
         return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
-                                   n_drafting=n_drafting, lag=lag, remaining=remaining, slowdown=slow.ratio(self.clock()))
+                                   n_drafting=n_drafting, lag=lag, remaining=remaining, slowdown=slowdown)
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> float:
@@ -252,8 +253,7 @@ class Controller:
         slow = self.slowdown(n_sessions)
         if drafted:
             now = self.clock()
-            fade = 0.5 ** (max(now - slow.stamp, 0.0) / slow.half_life)
-            slow.drafting = slow.plain + (slow.drafting - slow.plain) * fade
+            slow.drafting = slow.faded(now)
             slow.drafting += self.weight_drafting * (ratio - slow.drafting)
             slow.stamp = now
         else:
