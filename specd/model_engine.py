@@ -49,22 +49,23 @@ class ModelEngine(WorkerEngine):
     def calibrate(self, max_tokens: int = 64, repeats: int = 5) -> None:
         """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens (the
         router's prior for adaptive speculation); leaves the sequences empty.
-        Each size keeps its fastest of `repeats` runs, and a bigger batch is
-        never reported cheaper than a smaller one (another process on the
-        same cores can slow any single run)."""
-        costs = []
-        n = 1
+        Each size keeps its fastest of `repeats` runs, taken in interleaved
+        sweeps so that a passing disturbance (the other worker starting on
+        the same cores) cannot spoil every run of one size, and a bigger
+        batch is never reported cheaper than a smaller one."""
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
+        sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
         toks = np.full(limit, self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)
-        while n <= limit:
-            best = float("inf")
-            for _ in range(repeats):
+        best = dict.fromkeys(sizes, float("inf"))
+        for _ in range(repeats):
+            for n in sizes:
                 t0 = time.perf_counter()
                 self.model.decode(0, 0, toks[:n], 1)
-                best = min(best, time.perf_counter() - t0)
+                best[n] = min(best[n], time.perf_counter() - t0)
                 self.model.seq_rm(0, -1, -1)
-            costs.append((n, max(best, costs[-1][1] if costs else 0.0)))
-            n *= 2
+        costs = []
+        for n in sizes:
+            costs.append((n, max(best[n], costs[-1][1] if costs else 0.0)))
         self.decode_costs = tuple(costs)
         log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in costs))
 

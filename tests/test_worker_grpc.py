@@ -68,6 +68,15 @@ def test_health_goes_serving_after_load(target):
     assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_model_info_carries_a_calibrated_cost_curve(target):
+    costs = [(c.n_tokens, c.seconds) for c in target[0].GetModelInfo(pb.GetModelInfoRequest()).decode_costs]
+    assert [n for n, _ in costs] == [1, 2, 4, 8, 16, 32, 64]
+    seconds = [t for _, t in costs]
+    assert seconds[0] > 0 and seconds == sorted(seconds)  # never cheaper for a bigger batch
+    assert seconds[-1] > 2 * seconds[0]  # 64 tokens cost more than one on any CPU
+    assert "decode cost (tokens: ms): 1: " in target[3].log_path.read_text()
+
+
 def test_decode_rm_add_follow_llama_semantics(target):
     w = target[0]
     toks = [1, 2, 3, 4, 5, 6, 7, 8]
