@@ -30,10 +30,15 @@ def cluster_factory(models):
     """Start clusters of real processes; they are stopped at the end of the module."""
     started: list[Cluster] = []
 
-    def make(router_args=(), **kw) -> Cluster:
+    def make(router_args=(), adaptive: bool = False, **kw) -> Cluster:
+        # fixed draft length unless a request asks for adaptive (or adaptive=True):
+        # what these tests check (drafts reach the draft, metrics move, output
+        # stays lossless while drafting) must not depend on how loaded the
+        # machine is, which is what adaptive speculation reacts to
         spec = ClusterSpec(target_model=kw.pop("target_model", models["target"]),
                            draft_model=kw.pop("draft_model", models["draft"]),
-                           router_args=["--check-alignment", *router_args], **kw)
+                           router_args=["--check-alignment", *([] if adaptive else ["--no-adaptive"]), *router_args],
+                           **kw)
         c = Cluster(spec).start()
         started.append(c)
         return c

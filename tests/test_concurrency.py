@@ -32,7 +32,7 @@ def mixed_requests() -> list[tuple[str, dict]]:
         {"speculative": False},
         {"n_draft": 2, "adaptive": False},
         {"n_draft": 6, "adaptive": False},
-        {"n_draft": 8},  # adaptive, the router's default
+        {"n_draft": 8, "adaptive": True},
     ]
     return [(PROMPTS[i % len(PROMPTS)], {"max_tokens": (12, 24, 40, 64)[(i // 4) % 4], **variants[i % 4]})
             for i in range(16)]

@@ -53,7 +53,7 @@ def test_soak_32_streams_with_cancellations(cluster_factory):
                 max_tokens = rng.randrange(1, MAX_TOKENS + 1)
                 greedy = rng.random() < 0.7
                 kw = dict(max_tokens=max_tokens, speculative=rng.random() < 0.8,
-                          n_draft=rng.choice([None, 2, 4, 8]), adaptive=rng.choice([None, False]))
+                          n_draft=rng.choice([None, 2, 4, 8]), adaptive=rng.choice([None, True, False]))
                 if not greedy:
                     kw.update(temperature=rng.choice([0.5, 1.0]), seed=rng.randrange(1 << 32))
                 action = rng.choices(["finish", "cancel_after", "cancel_soon", "deadline"], [60, 25, 10, 5])[0]
