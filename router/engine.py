@@ -382,7 +382,7 @@ class Router:
         p.sampling.validate("sampling")
         if p.n_max is not None and not 1 <= p.n_max <= MAX_DRAFT:
             raise InvalidArgument(f"speculative.n_max must be in [1, {MAX_DRAFT}], got {p.n_max}")
-        n_max = p.n_max if p.n_max is not None else self.settings.n_max
+        n_max = self._n_max(p)
         if p.n_min is not None and not 0 <= p.n_min <= n_max:
             raise InvalidArgument(f"speculative.n_min must be in [0, n_max = {n_max}], got {p.n_min}")
         if p.p_min is not None and not 0.0 <= p.p_min <= 1.0:
@@ -505,6 +505,9 @@ class Router:
     def _adaptive(self, p) -> bool:
         return p.adaptive if p.adaptive is not None else self.settings.adaptive
 
+    def _n_max(self, p) -> int:
+        return p.n_max if p.n_max is not None else self.settings.n_max
+
     def _n_sessions(self) -> int:
         return sum(t.n_active for t in self.targets)
 
@@ -515,8 +518,7 @@ class Router:
         p = s.p
         if not self._adaptive(p):
             return True
-        n_max = p.n_max if p.n_max is not None else self.settings.n_max
-        return self.controller.choose(None, n_max, s.tgt.n_active, s.hidden, self.settings.overlap,
+        return self.controller.choose(None, self._n_max(p), s.tgt.n_active, s.hidden, self.settings.overlap,
                                       self._n_sessions()) > 0
 
     async def _prefill(self, s: _Session, use_draft: bool, draft_too: bool = True) -> bool:
@@ -533,7 +535,6 @@ class Router:
                 # under load generation starts without waiting: steps do not draft until it is done
                 s.draft_prefill = fut
                 s.pending_d.append(fut)
-                s.n_d = n
             else:
                 pend_d.append(fut)
         results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
@@ -555,7 +556,7 @@ class Router:
         p, seq, ctx = s.p, s.seq, s.ctx
         n = len(ctx)
         ckpt = self.checkpoint_mode
-        n_max = p.n_max if p.n_max is not None else self.settings.n_max
+        n_max = self._n_max(p)
         n_min = p.n_min if p.n_min is not None else self.settings.n_min
         p_min = p.p_min if p.p_min is not None else self.settings.p_min
         k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0

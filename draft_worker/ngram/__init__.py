@@ -117,7 +117,9 @@ def _parse_member(member: str, spec: str) -> tuple[str, dict[str, int]]:
             raise ValueError(f"n-gram proposer {name!r} has no parameter {key!r} (in spec {spec!r}); "
                              f"its parameters: {keys}")
         try:
-            params[allowed[key]] = int(value) if eq else int("")
+            if not eq:
+                raise ValueError
+            params[allowed[key]] = int(value)
         except ValueError:
             raise ValueError(f"n-gram parameter {name}:{key} must be an integer, got {value.strip()!r} "
                              f"(in spec {spec!r})") from None
@@ -132,16 +134,17 @@ def make_proposer(spec: str, *, cache_path: str | os.PathLike | None = None) -> 
     names, unknown keys and values out of range raise ValueError."""
     if not isinstance(spec, str):
         raise ValueError(f"proposer spec must be a string, got {type(spec).__name__}")
-    members = [_parse_member(part, spec) for part in spec.split(",")]
+    parts = spec.split(",")
+    members = [_parse_member(part, spec) for part in parts]
     names = [name for name, _ in members]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"n-gram proposer {repeated[0]!r} appears twice in spec {spec!r}; "
                          f"allowed names: {', '.join(PROPOSER_NAMES)}")
     built = []
-    for member, (name, params) in zip(spec.split(","), members):
+    for part, (name, params) in zip(parts, members):
         try:
             built.append(_build(name, params, cache_path))
         except ValueError as exc:
-            raise ValueError(f"n-gram proposer {member.strip()!r}: {exc}") from None
+            raise ValueError(f"n-gram proposer {part.strip()!r}: {exc}") from None
     return built[0] if len(built) == 1 else ChainProposer(built)
