@@ -49,6 +49,7 @@ class Proc:
         self.name = name
         self.port_file = workdir / f"{name}.port"
         self.log_path = workdir / f"{name}.log"
+        self.port_file.unlink(missing_ok=True)  # a reused workdir's old port file would name a dead port
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "specd", *args, "--port-file", str(self.port_file)]
         self.popen = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

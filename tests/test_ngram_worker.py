@@ -89,3 +89,14 @@ def test_router_refuses_an_ngram_drafter_of_another_vocabulary_size(models):
     with pytest.raises(ProcessDied) as err:
         Cluster(spec).start(timeout=120)
     assert "router exited" in str(err.value) and "n_vocab 1000" in str(err.value)
+
+
+def test_a_reused_workdir_old_port_file_is_not_read_as_the_new_port(tmp_path):
+    # a previous run left its port file behind; the new process must be
+    # reached at its own port, not at the dead one (this hung `Cluster(workdir=...)`)
+    (tmp_path / "draft.port").write_text("1")
+    proc, address = start_ngram(tmp_path)
+    try:
+        assert not address.endswith(":1")
+    finally:
+        proc.stop()
