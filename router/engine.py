@@ -525,6 +525,8 @@ class Router:
         """Decode the prompt but its last token on the target and (draft_too)
         the draft at once (what the prompt cache did not keep)."""
         n = len(s.ctx) - 1
+        log.debug("prefill seq=%d tokens=%d draft=%s sessions=%d", s.seq, n - s.n_t,
+                  "no" if not use_draft else ("yes" if draft_too else "later"), self._n_sessions())
         pend_t, pend_d = s.pending_t, s.pending_d
         s.pending_t, s.pending_d = [], []
         if s.n_t < n:
