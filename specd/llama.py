@@ -91,9 +91,9 @@ class LlamaModel:
             L.llama_model_free(self._model)
             raise ValueError(f"cannot create a context for {config.model_path!r}")
         self._mem = L.llama_get_memory(self._ctx)
-        # a unified cache reports its whole size; each sequence still gets
-        # the positions asked for (all of them together fit in the cache)
-        self.n_ctx_seq = config.n_ctx_seq if config.kv_unified else int(L.llama_n_ctx_seq(self._ctx))
+        # exactly the positions asked for: llama.cpp pads the context, and a
+        # unified cache reports all sequences' cells as one sequence's
+        self.n_ctx_seq = min(config.n_ctx_seq, int(L.llama_n_ctx_seq(self._ctx)))
         self.n_seq = config.n_seq
         self.n_batch = config.n_batch
         self.is_recurrent = bool(L.llama_model_is_recurrent(self._model)) or bool(

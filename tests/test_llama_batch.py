@@ -1,0 +1,49 @@
+"""LlamaModel.decode_multi against a real model: sequences in any order and
+with any token counts share one llama_decode and each gets its own logits,
+with one KV buffer for all sequences (the default) and with one per sequence."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specd.llama import LlamaConfig, LlamaModel
+
+PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 1707, 33217, 30], [1, 26227, 1542, 253, 655, 28], [1, 504, 1115, 30]]
+# (seq_id, new tokens, logits wanted), deliberately not in seq_id order and of different lengths
+PARTS = [(2, [2980, 314], 2), (0, [216], 1), (3, [9225, 46, 253], 1), (1, [2273], 1)]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["unified", "per-sequence"])
+def model(models, request):
+    m = LlamaModel(LlamaConfig(models["target"], n_ctx_seq=64, n_seq=4, kv_unified=request.param))
+    yield m
+    m.close()
+
+
+def prefill(m: LlamaModel) -> None:
+    m.clear()
+    for s, p in enumerate(PROMPTS):
+        m.decode(s, 0, p, 0)
+
+
+def test_each_part_gets_its_own_logits_whatever_the_order(model):
+    prefill(model)
+    alone = []
+    for s, toks, n_logits in PARTS:
+        alone.append(np.array(model.decode(s, len(PROMPTS[s]), toks, n_logits)))
+        assert model.seq_rm(s, len(PROMPTS[s]), -1)
+    batched = model.decode_multi([(s, len(PROMPTS[s]), toks, n) for s, toks, n in PARTS])
+    for (s, toks, n), a, b in zip(PARTS, alone, batched):
+        assert b.shape == (n, model.n_vocab)
+        # the same numbers up to what batch composition changes in float sums;
+        # another part's logits would differ everywhere
+        assert np.abs(a - b).max() < 1e-2 * np.abs(a).max(), f"seq {s}"
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+    for s, toks, _ in PARTS:
+        assert model.seq_pos_max(s) == len(PROMPTS[s]) + len(toks) - 1
+
+
+def test_a_sequence_gets_the_context_asked_for(model):
+    # llama.cpp pads the context (to 256 per sequence here), and a unified
+    # buffer reports all sequences' cells as one sequence's context
+    assert model.n_ctx_seq == 64
