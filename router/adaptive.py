@@ -17,8 +17,9 @@ speculative decoding papers) and `h` the share of steps whose drafts overlap
 already made. With overlap the draft drafts the next k + 1 tokens while the
 target verifies, on its own compute: a round lasts as long as the slower of
 the two, plus the drafting nobody hid. t_target / t_draft are the curves
-each worker timed when it loaded; what they miss under load (`Slowdown`) is
-learned from measured step times, per load level. A draft that fell behind (it is not fed
+each worker timed when it loaded; what they miss under load (`Slowdown`:
+router and RPC time, waiting for the batch, processes sharing cores) is
+learned from measured step times, per load level, as seconds added to a step. A draft that fell behind (it is not fed
 while a session does not draft, nor prefilled when drafting could not pay)
 first decodes what it missed: that cost is spread over the steps left. Pure
 functions and small classes, so they are tested without models.
@@ -157,21 +158,21 @@ def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draf
 def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve, draft: CostCurve,
                         hidden: float = 0.0, overlap: bool = False, margin: float = 0.10,
                         n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
-                        slowdown: float = 1.0) -> int:
+                        extra_plain: float = 0.0, extra_drafting: float = 0.0) -> int:
     """The k in [0, n_max] with the most expected tokens per second of a
     round; speculation must beat target-only by `margin` to be chosen. A
     draft `lag` tokens behind must decode them first: that one decode is
     spread over the steps left for `remaining` tokens (all of it when 0).
-    `slowdown`: how much more than predicted drafting steps have taken,
-    relative to steps without drafts."""
+    `extra_plain` / `extra_drafting`: seconds measured steps without / with
+    drafts took beyond the model's prediction."""
     if len(target) < 2 or n_max <= 0:  # no idea yet how cost grows with the batch: do not adapt
         return n_max
     best_k = 0
-    best = (1.0 + margin) / max(round_seconds(0, n_sessions, target, draft), 1e-9)
+    best = (1.0 + margin) / max(round_seconds(0, n_sessions, target, draft) + extra_plain, 1e-9)
     for k in range(1, n_max + 1):
         e = expected_tokens(a, k)
-        cost = slowdown * predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining)
-        rate = e / max(cost, 1e-9)
+        cost = predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining)
+        rate = e / max(cost + extra_drafting, 1e-9)
         if rate > best:
             best_k, best = k, rate
     return best_k
@@ -179,17 +180,17 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
 
 @dataclass
 class Slowdown:
-    """Measured step time over predicted step time at one load level, for
-    steps that drafted and steps that did not (moving averages). What the
-    model misses (router and RPC time, processes sharing cores, drafts
-    arriving late) shows in their ratio. What drafting steps showed fades
+    """Seconds measured steps took beyond the predicted ones at one load
+    level, for steps that drafted and steps that did not (moving averages).
+    Added, not multiplied: what the model leaves out is mostly a per-step
+    cost (router and RPC time, waiting for the batch to gather), and as a
+    factor the plain steps' large share of it would make drafting steps,
+    whose prediction is long, look cheap. What drafting steps showed fades
     back to the plain steps' figure with `half_life` seconds, so that drafting
-    is tried again where it was slow: then all sessions of that load level
-    try it together, as they would draft for good (one session drafting
-    beside others that do not would measure a different batch)."""
+    is tried again where it was slow (when the model then says it pays)."""
 
-    drafting: float = 1.0
-    plain: float = 1.0
+    drafting: float = 0.0
+    plain: float = 0.0
     stamp: float = 0.0  # time of the last drafting step
     half_life: float = 30.0
 
@@ -197,9 +198,6 @@ class Slowdown:
         """The drafting figure, faded towards the plain one since the last drafting step."""
         fade = 0.5 ** (max(now - self.stamp, 0.0) / self.half_life)
         return self.plain + (self.drafting - self.plain) * fade
-
-    def ratio(self, now: float) -> float:
-        return self.faded(now) / max(self.plain, 1e-9)
 
 
 @dataclass
@@ -227,9 +225,10 @@ class Controller:
         """A session's draft length this step; acc None asks whether drafting
         could pay at all now (acceptance 1)."""
         a = 1.0 if acc is None else acc.optimistic
-        slowdown = self.slowdown(n_sessions).ratio(self.clock())
+        slow = self.slowdown(n_sessions)
         return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
-                                   n_drafting=n_drafting, lag=lag, remaining=remaining, slowdown=slowdown)
+                                   n_drafting=n_drafting, lag=lag, remaining=remaining,
+                                   extra_plain=slow.plain, extra_drafting=slow.faded(self.clock()))
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> float:
@@ -249,12 +248,12 @@ class Controller:
         """A step's measured seconds against what `predict` said."""
         if predicted <= 0 or seconds <= 0:
             return
-        ratio = min(max(seconds / predicted, 0.1), 10.0)
+        extra = min(seconds - predicted, 10.0 * predicted)  # one stalled step must not rule for long
         slow = self.slowdown(n_sessions)
         if drafted:
             now = self.clock()
             slow.drafting = slow.faded(now)
-            slow.drafting += self.weight_drafting * (ratio - slow.drafting)
+            slow.drafting += self.weight_drafting * (extra - slow.drafting)
             slow.stamp = now
         else:
-            slow.plain += self.weight * (ratio - slow.plain)
+            slow.plain += self.weight * (extra - slow.plain)

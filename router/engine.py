@@ -684,11 +684,12 @@ class Router:
         for obs in self.step_observers:
             obs(stats)
         if log.isEnabledFor(logging.DEBUG):
+            slow = self.controller.slowdown(load[0])
             log.debug("step seq=%d mode=%s sessions=%d k=%d accepted=%d ahead=%d step_ms=%.0f draft_ms=%.0f "
-                      "verify_ms=%.0f verify_batch=%d verify_batch_ms=%.0f predicted_ms=%.0f slowdown=%.2f", seq,
+                      "verify_ms=%.0f verify_batch=%d verify_batch_ms=%.0f predicted_ms=%.0f extra_ms=%.0f/%.0f", seq,
                       "adaptive" if self._adaptive(p) and s.with_draft else ("fixed" if s.with_draft else "target"),
                       load[0], len(drafts), a, ahead_used, stats.step_seconds * 1e3, t_draft * 1e3, t_verify * 1e3,
-                      ver.batch_tokens, ver.batch_seconds * 1e3, predicted * 1e3, self.controller.slowdown(load[0]).ratio(time.monotonic()))
+                      ver.batch_tokens, ver.batch_seconds * 1e3, predicted * 1e3, slow.plain * 1e3, slow.faded(time.monotonic()) * 1e3)
         return out, ver.pieces, use_draft
 
     async def _failover(self, s: _Session, exc: SpecdError, use_draft: bool) -> bool:
