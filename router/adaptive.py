@@ -201,6 +201,30 @@ class Slowdown:
 
 
 @dataclass
+class RecentPeak:
+    """A session count that rises at once and falls slowly: the highest
+    count seen, halving every `half_life` seconds (never below the current
+    count). Speculation decides on it, so the lull between two waves of
+    requests, or the tail of one, does not start drafting (and the draft's
+    catch-up on every context) just before the load is back."""
+
+    half_life: float = 2.0
+    value: float = 0.0
+    stamp: float = 0.0
+
+    def at(self, now: float) -> float:
+        return self.value * 0.5 ** (max(now - self.stamp, 0.0) / self.half_life)
+
+    def load(self, n: int, now: float) -> int:
+        """Note the current count `n`; the load to decide on."""
+        peak = self.at(now)
+        if n >= peak:
+            self.value, self.stamp = float(n), now
+            return n
+        return max(n, int(peak + 0.5))
+
+
+@dataclass
 class Controller:
     """What the router keeps for adaptive speculation: both workers' cost
     curves, the acceptance seen across sessions (the prior of a new one) and

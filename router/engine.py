@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from router.adaptive import Controller, CostCurve
+from router.adaptive import Controller, CostCurve, RecentPeak
 from specd.engine import ModelInfo, SeqState
 from specd.errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted,
                           SpecdError, Unavailable)
@@ -190,6 +190,7 @@ class TargetSlot:
     info: ModelInfo | None = None
     up: bool = False
     n_active: int = 0  # sessions on it
+    peak: RecentPeak = field(default_factory=RecentPeak)  # of n_active: the load adaptive speculation sees
     watching: bool = False
 
 
@@ -233,6 +234,7 @@ class Router:
         self.draft_up = False
         self.pool: SeqPool | None = None
         self.controller = Controller()
+        self.peak = RecentPeak()  # of all sessions: the draft's load as adaptive speculation sees it
 
     # ---------------------------------------------------------------- start
     @property
@@ -511,6 +513,12 @@ class Router:
     def _n_sessions(self) -> int:
         return sum(t.n_active for t in self.targets)
 
+    def _load(self, s: _Session) -> tuple[int, int]:
+        """(sessions on this session's target, all sessions) as adaptive
+        speculation sees them: their recent peaks (RecentPeak)."""
+        now = time.monotonic()
+        return s.tgt.peak.load(s.tgt.n_active, now), self.peak.load(self._n_sessions(), now)
+
     def _draft_could_pay(self, s: _Session) -> bool:
         """Whether to prefill the draft: with adaptive speculation, not when
         drafting could not pay at the current load even if every draft were
@@ -518,8 +526,8 @@ class Router:
         p = s.p
         if not self._adaptive(p):
             return True
-        return self.controller.choose(None, self._n_max(p), s.tgt.n_active, s.hidden, self.settings.overlap,
-                                      self._n_sessions()) > 0
+        n_target, n_all = self._load(s)
+        return self.controller.choose(None, self._n_max(p), n_target, s.hidden, self.settings.overlap, n_all) > 0
 
     async def _prefill(self, s: _Session, use_draft: bool, draft_too: bool = True) -> bool:
         """Decode the prompt but its last token on the target and (draft_too)
@@ -562,8 +570,8 @@ class Router:
         n_min = p.n_min if p.n_min is not None else self.settings.n_min
         p_min = p.p_min if p.p_min is not None else self.settings.p_min
         k = min(n_max, self.n_ctx - n, remaining - 1) if use_draft else 0
-        load = (s.tgt.n_active, s.hidden, self.settings.overlap, self._n_sessions(),
-                0 if s.ahead else n - 1 - s.n_d, remaining)
+        n_target, n_all = self._load(s)
+        load = (n_target, s.hidden, self.settings.overlap, n_all, 0 if s.ahead else n - 1 - s.n_d, remaining)
         if k > 0 and self._adaptive(p):
             if s.draft_prefill is not None and not s.draft_prefill.done():
                 k = 0  # the draft still decodes the prompt: the target goes on alone
@@ -685,10 +693,10 @@ class Router:
             obs(stats)
         if log.isEnabledFor(logging.DEBUG):
             slow = self.controller.slowdown(load[0])
-            log.debug("step seq=%d mode=%s sessions=%d k=%d accepted=%d ahead=%d step_ms=%.0f draft_ms=%.0f "
+            log.debug("step seq=%d mode=%s sessions=%d load=%d k=%d accepted=%d ahead=%d step_ms=%.0f draft_ms=%.0f "
                       "verify_ms=%.0f verify_batch=%d verify_batch_ms=%.0f predicted_ms=%.0f extra_ms=%.0f/%.0f", seq,
                       "adaptive" if self._adaptive(p) and s.with_draft else ("fixed" if s.with_draft else "target"),
-                      load[0], len(drafts), a, ahead_used, stats.step_seconds * 1e3, t_draft * 1e3, t_verify * 1e3,
+                      s.tgt.n_active, load[0], len(drafts), a, ahead_used, stats.step_seconds * 1e3, t_draft * 1e3, t_verify * 1e3,
                       ver.batch_tokens, ver.batch_seconds * 1e3, predicted * 1e3, slow.plain * 1e3, slow.faded(time.monotonic()) * 1e3)
         return out, ver.pieces, use_draft
 

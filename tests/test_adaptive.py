@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from router.adaptive import Acceptance, Controller, CostCurve, choose_draft_length, expected_tokens, round_seconds
+from router.adaptive import (Acceptance, Controller, CostCurve, RecentPeak, choose_draft_length, expected_tokens,
+                             round_seconds)
 from specd.scheduler import op_key, take_window
 
 
@@ -212,3 +213,13 @@ def test_a_per_step_overhead_does_not_make_drafting_look_cheap():
             c.observe_time(8, k > 0, c.predict(a, k, *load), c.predict(a, k, *load) + 0.035)
     assert c.choose(None, 4, *load) == 0 and c.choose(a, 4, *load) == 0
     assert c.choose(None, 4, 1, 0.5, True, 1) > 0  # one session: it does pay
+
+
+def test_recent_peak_rises_at_once_and_falls_by_half_lives():
+    p = RecentPeak(half_life=2.0)
+    assert p.load(1, 0.0) == 1
+    assert p.load(16, 0.1) == 16
+    assert p.load(3, 0.2) == 15  # the wave's tail: still about as loaded
+    assert p.load(3, 2.1) == 8  # one half-life after the peak
+    assert p.load(1, 10.1) == 1  # long quiet: the real count again
+    assert p.load(5, 10.2) == 5
