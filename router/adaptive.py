@@ -130,12 +130,13 @@ class Acceptance:
 
 
 def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
-                  hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None) -> float:
+                  hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
+                  verify_tokens: int | None = None) -> float:
     """T(k): seconds of one step of n_sessions sessions on the target, each
     verifying k drafts, while n_drafting sessions (default the same) share
-    the draft."""
+    the draft. `verify_tokens`: the target's batch as it really was."""
     b = max(n_sessions, 1)
-    t_t = target(b * (k + 1))
+    t_t = target(verify_tokens if verify_tokens else b * (k + 1))
     if k <= 0:
         return t_t
     t_d = draft(max(n_drafting if n_drafting is not None else b, 1))
@@ -146,10 +147,10 @@ def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
 
 def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draft: CostCurve,
                       hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
-                      lag: int = 0, remaining: int = 0) -> float:
+                      lag: int = 0, remaining: int = 0, verify_tokens: int | None = None) -> float:
     """T(k) plus this step's share of catching a lagging draft up (e: the
     tokens a step is expected to yield)."""
-    t = round_seconds(k, n_sessions, target, draft, hidden, overlap, n_drafting)
+    t = round_seconds(k, n_sessions, target, draft, hidden, overlap, n_drafting, verify_tokens)
     if k > 0 and lag > 0:
         t += draft(lag) / max(remaining / e, 1.0)
     return t
@@ -255,10 +256,15 @@ class Controller:
                                    extra_plain=slow.plain, extra_drafting=slow.faded(self.clock()))
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
-                n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> float:
-        """The model's seconds for a step drafting k (no slowdown applied)."""
+                n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
+                verify_tokens: int | None = None) -> float:
+        """The model's seconds for a step drafting k (no slowdown applied);
+        given the target's real batch (`verify_tokens`), what the model
+        expects of that batch, so that other sessions' prompts sharing it
+        are not taken for overhead."""
         e = expected_tokens(1.0 if acc is None else acc.rate, k)
-        return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag, remaining)
+        return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag,
+                                 remaining, verify_tokens)
 
     def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
         """After every step (n_drafted 0 when it did not draft)."""

@@ -577,9 +577,7 @@ class Router:
                 k = 0  # the draft still decodes the prompt: the target goes on alone
             else:
                 k = self.controller.choose(s.acc, k, *load)
-        # what this very step should take: its drafts are hidden only if overlap
-        # already made them, and a lagging draft's catch-up is paid in full now
-        predicted = self.controller.predict(s.acc, k, load[0], 1.0 if s.ahead else 0.0, load[2], load[3], load[4])
+        hidden_now = 1.0 if s.ahead else 0.0  # this step's drafts are hidden only if overlap already made them
 
         if s.n_t < n - 1:  # target lags (after a shift or a repair): decode the gap first
             s.pending_t.append(await s.target.decode(seq, s.n_t, ctx[s.n_t : n - 1]))
@@ -688,6 +686,10 @@ class Router:
         s.res.draft_compute_seconds += c_draft + c_cont
         s.res.verify_compute_seconds += ver.compute_seconds
         s.res.steps_seconds += stats.step_seconds
+        # what the model says this very step should have taken, with the
+        # target's batch as it was and a lagging draft's catch-up paid in full
+        predicted = self.controller.predict(s.acc, k, load[0], hidden_now, load[2], load[3], load[4],
+                                            verify_tokens=ver.batch_tokens)
         self.controller.observe_time(load[0], k > 0, predicted, stats.step_seconds)
         for obs in self.step_observers:
             obs(stats)

@@ -223,3 +223,17 @@ def test_recent_peak_rises_at_once_and_falls_by_half_lives():
     assert p.load(3, 2.1) == 8  # one half-life after the peak
     assert p.load(1, 10.1) == 1  # long quiet: the real count again
     assert p.load(5, 10.2) == 5
+
+
+def test_other_sessions_prompts_in_the_batch_are_not_taken_for_overhead():
+    # a wave of 16 new sessions: their prompts share the verify batches (376
+    # tokens, ~1 s); judged against 16 single tokens (50 ms) that second would
+    # look like per-step overhead, which drafting seems to amortise
+    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
+    c = Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=lambda: 100.0)
+    a = c.new_session()
+    load = (16, 0.5, True, 16)
+    for _ in range(10):
+        c.observe_time(16, False, c.predict(a, 0, *load, verify_tokens=376), c.target(376) + 0.005)
+    assert abs(c.slowdown(16).plain) < 0.01
+    assert c.choose(None, 4, *load) == 0
