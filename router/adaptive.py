@@ -186,19 +186,31 @@ class Slowdown:
     Added, not multiplied: what the model leaves out is mostly a per-step
     cost (router and RPC time, waiting for the batch to gather), and as a
     factor the plain steps' large share of it would make drafting steps,
-    whose prediction is long, look cheap. What drafting steps showed fades
-    back to the plain steps' figure with `half_life` seconds, so that drafting
-    is tried again where it was slow (when the model then says it pays)."""
+    whose prediction is long, look cheap.
+
+    Both figures count only while drafting steps at this level are recent:
+    a per-step cost seen on plain steps alone says nothing of what drafting
+    would add there, yet would make drafting look like it amortises that
+    cost (at 16 sessions every session then tried 4 drafts at once, and
+    steps took seconds). So they fade, with `half_life` seconds since the
+    last drafting step, back to the model as calibrated: a load level where
+    the model says drafting cannot pay never drafts; one where it can is
+    tried again once what drafting showed there has faded."""
 
     drafting: float = 0.0
     plain: float = 0.0
-    stamp: float = 0.0  # time of the last drafting step
+    stamp: float | None = None  # time of the last drafting step
     half_life: float = 30.0
 
-    def faded(self, now: float) -> float:
-        """The drafting figure, faded towards the plain one since the last drafting step."""
-        fade = 0.5 ** (max(now - self.stamp, 0.0) / self.half_life)
-        return self.plain + (self.drafting - self.plain) * fade
+    def freshness(self, now: float) -> float:
+        if self.stamp is None:
+            return 0.0
+        return 0.5 ** (max(now - self.stamp, 0.0) / self.half_life)
+
+    def extras(self, now: float) -> tuple[float, float]:
+        """(plain, drafting) seconds to add to the model's steps now."""
+        w = self.freshness(now)
+        return w * self.plain, w * self.drafting
 
 
 @dataclass
@@ -250,10 +262,10 @@ class Controller:
         """A session's draft length this step; acc None asks whether drafting
         could pay at all now (acceptance 1)."""
         a = 1.0 if acc is None else acc.optimistic
-        slow = self.slowdown(n_sessions)
+        extra_plain, extra_drafting = self.slowdown(n_sessions).extras(self.clock())
         return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
                                    n_drafting=n_drafting, lag=lag, remaining=remaining,
-                                   extra_plain=slow.plain, extra_drafting=slow.faded(self.clock()))
+                                   extra_plain=extra_plain, extra_drafting=extra_drafting)
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
@@ -282,7 +294,8 @@ class Controller:
         slow = self.slowdown(n_sessions)
         if drafted:
             now = self.clock()
-            slow.drafting = slow.faded(now)
+            w = slow.freshness(now)  # an old figure counts as little as it would weigh in a choice
+            slow.drafting = w * slow.drafting + (1.0 - w) * extra
             slow.drafting += self.weight_drafting * (extra - slow.drafting)
             slow.stamp = now
         else:

@@ -699,7 +699,7 @@ class Router:
                       "verify_ms=%.0f verify_batch=%d verify_batch_ms=%.0f predicted_ms=%.0f extra_ms=%.0f/%.0f", seq,
                       "adaptive" if self._adaptive(p) and s.with_draft else ("fixed" if s.with_draft else "target"),
                       s.tgt.n_active, load[0], len(drafts), a, ahead_used, stats.step_seconds * 1e3, t_draft * 1e3, t_verify * 1e3,
-                      ver.batch_tokens, ver.batch_seconds * 1e3, predicted * 1e3, slow.plain * 1e3, slow.faded(time.monotonic()) * 1e3)
+                      ver.batch_tokens, ver.batch_seconds * 1e3, predicted * 1e3, *(x * 1e3 for x in slow.extras(time.monotonic())))
         return out, ver.pieces, use_draft
 
     async def _failover(self, s: _Session, exc: SpecdError, use_draft: bool) -> bool:
