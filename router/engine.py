@@ -688,13 +688,15 @@ class Router:
         s.res.steps_seconds += stats.step_seconds
         # what the model says this very step should have taken, with the
         # target's batch as it was and a lagging draft's catch-up paid in full
-        predicted = self.controller.predict(s.acc, k, load[0], hidden_now, load[2], load[3], load[4],
+        # at the load it really had (choices use the recent peak: RecentPeak)
+        n_target, n_all = s.tgt.n_active, self._n_sessions()
+        predicted = self.controller.predict(s.acc, k, n_target, hidden_now, load[2], n_all, load[4],
                                             verify_tokens=ver.batch_tokens)
-        self.controller.observe_time(load[0], k > 0, predicted, stats.step_seconds)
+        self.controller.observe_time(n_target, k > 0, predicted, stats.step_seconds)
         for obs in self.step_observers:
             obs(stats)
         if log.isEnabledFor(logging.DEBUG):
-            slow = self.controller.slowdown(load[0])
+            slow = self.controller.slowdown(n_target)
             log.debug("step seq=%d mode=%s sessions=%d load=%d k=%d accepted=%d ahead=%d step_ms=%.0f draft_ms=%.0f "
                       "verify_ms=%.0f verify_batch=%d verify_batch_ms=%.0f predicted_ms=%.0f extra_ms=%.0f/%.0f", seq,
                       "adaptive" if self._adaptive(p) and s.with_draft else ("fixed" if s.with_draft else "target"),
