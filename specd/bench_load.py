@@ -9,7 +9,8 @@ after the other; for each mode the same requests:
 - fixed: draft length n_draft every step (adaptive off);
 - adaptive: the router picks each step's draft length, n_draft the bound.
 
-Aggregate tokens/s = generated tokens / wall time of the whole cell. The
+Aggregate tokens/s = generated tokens / wall time of the whole cell; each
+repetition rotates the order of the modes. The
 prompt cache is off so every mode processes every prompt. Greedy output of
 each request must be identical across modes.
 """
@@ -77,7 +78,10 @@ def bench_load(args) -> dict:
                 n_req = max(args.requests_per_session * c, args.min_requests)
                 prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
                 ref = None
-                for mode in MODES:
+                # each repetition starts with another mode: a cell runs measurably
+                # faster or slower for what ran before it (a fresh KV cache, the
+                # draft's leftover work), which must not favour one mode
+                for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
                     cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
                     cells.setdefault((c, mode), []).append(cell)
                     if ref is None:
