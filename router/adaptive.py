@@ -249,6 +249,14 @@ class Controller:
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     weight: float = 0.1  # of a measured step without drafts in the slowdown averages
     weight_drafting: float = 0.3  # of a measured step with drafts (fewer of them)
+    # how much drafting must be predicted to beat target-only by: with recent
+    # evidence at that load level `margin`, without it `untried_margin`. The
+    # calibrated model errs one way under load (two processes decoding at
+    # once slow each other, which no idle calibration shows), and a trial is
+    # not free (the draft first catches up on every context): only a clear
+    # predicted gain is worth one.
+    margin: float = 0.10
+    untried_margin: float = 0.35
     clock: Callable[[], float] = time.monotonic
 
     def new_session(self) -> Acceptance:
@@ -262,8 +270,12 @@ class Controller:
         """A session's draft length this step; acc None asks whether drafting
         could pay at all now (acceptance 1)."""
         a = 1.0 if acc is None else acc.optimistic
-        extra_plain, extra_drafting = self.slowdown(n_sessions).extras(self.clock())
+        slow = self.slowdown(n_sessions)
+        now = self.clock()
+        extra_plain, extra_drafting = slow.extras(now)
+        w = slow.freshness(now)
         return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
+                                   margin=w * self.margin + (1.0 - w) * self.untried_margin,
                                    n_drafting=n_drafting, lag=lag, remaining=remaining,
                                    extra_plain=extra_plain, extra_drafting=extra_drafting)
 

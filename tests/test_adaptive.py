@@ -251,3 +251,22 @@ def test_overhead_seen_only_on_plain_steps_does_not_start_drafting():
     for _ in range(30):
         c.observe_time(16, False, c.predict(a, 0, *load), c.predict(a, 0, *load) + 0.100)
     assert c.choose(None, 4, *load) == 0 and c.choose(a, 4, *load) == 0
+
+
+def test_drafting_is_tried_only_where_the_model_predicts_a_clear_gain():
+    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
+    now = [100.0]
+    c = Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=lambda: now[0])
+    a = c.new_session()
+    four = (4, 1.0, True, 4)
+    # 4 sessions: the model predicts a small gain for 1 draft; untried, that is not enough
+    assert choose_draft_length(1.0, 4, 4, c.target, c.draft, 1.0, True) > 0
+    assert c.choose(None, 4, *four) == 0
+    assert c.choose(None, 4, 1, 0.5, True, 1) > 0  # alone: a clear gain, tried
+    # once drafting at 4 sessions has been measured as modelled, the small gain is taken
+    for _ in range(5):
+        c.observe_time(4, True, c.predict(a, 1, *four), c.predict(a, 1, *four))
+        c.observe_time(4, False, c.predict(a, 0, *four), c.predict(a, 0, *four))
+    assert c.choose(None, 4, *four) > 0
+    now[0] += 300  # ten half-lives: untried again
+    assert c.choose(None, 4, *four) == 0
