@@ -256,7 +256,7 @@ class Controller:
     # not free (the draft first catches up on every context): only a clear
     # predicted gain is worth one.
     margin: float = 0.10
-    untried_margin: float = 0.35
+    untried_margin: float = 0.25
     clock: Callable[[], float] = time.monotonic
 
     def new_session(self) -> Acceptance:
