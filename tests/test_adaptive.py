@@ -197,14 +197,19 @@ TARGET_HERE = [(1, 19.6), (2, 22.9), (4, 26.9), (8, 40.5), (16, 50.2), (32, 79.0
 DRAFT_HERE = [(1, 7.6), (2, 13.7), (4, 23.7), (8, 42.2), (16, 80.4), (32, 159.4), (64, 320.0)]
 
 
+def controller_here(clock=lambda: 100.0) -> Controller:
+    """A controller with the default pair's curves as timed here."""
+    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
+    return Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=clock)
+
+
 def test_a_per_step_overhead_does_not_make_drafting_look_cheap():
     # Under load every step pays the same ~35 ms the model leaves out (router,
     # RPC, the batch gathering). Taken as a factor, plain steps (predicted 40
     # ms, took 75) would look twice as slow as modelled and drafting steps
     # (predicted 200, took 235) barely slower, so drafting would look cheap
     # where it halves throughput.
-    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
-    c = Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=lambda: 100.0)
+    c = controller_here()
     a = c.new_session()
     load = (8, 0.5, True, 8)
     assert c.choose(None, 4, *load) == 0  # the model alone: drafting cannot pay at 8 sessions
@@ -229,8 +234,7 @@ def test_other_sessions_prompts_in_the_batch_are_not_taken_for_overhead():
     # a wave of 16 new sessions: their prompts share the verify batches (376
     # tokens, ~1 s); judged against 16 single tokens (50 ms) that second would
     # look like per-step overhead, which drafting seems to amortise
-    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
-    c = Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=lambda: 100.0)
+    c = controller_here()
     a = c.new_session()
     load = (16, 0.5, True, 16)
     for _ in range(10):
@@ -244,8 +248,7 @@ def test_overhead_seen_only_on_plain_steps_does_not_start_drafting():
     # more than the model says; that would seem to make 4 drafts pay (5
     # tokens for 0.55 + 0.1 s against 1 for 0.05 + 0.1 s), but it says
     # nothing of what drafting would add, and the model says it cannot pay
-    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
-    c = Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=lambda: 100.0)
+    c = controller_here()
     a = c.new_session()
     load = (16, 0.5, True, 16)
     for _ in range(30):
@@ -254,9 +257,8 @@ def test_overhead_seen_only_on_plain_steps_does_not_start_drafting():
 
 
 def test_drafting_is_tried_only_where_the_model_predicts_a_clear_gain():
-    ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
     now = [100.0]
-    c = Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=lambda: now[0])
+    c = controller_here(lambda: now[0])
     a = c.new_session()
     four = (4, 1.0, True, 4)
     # 4 sessions: the model predicts ~13% for 1 draft; untried, that is not enough
