@@ -147,9 +147,12 @@ class SeqPool:
 
     def _best_free(self, prompt: list[int]) -> int:
         """The free sequence sharing the longest prefix with the prompt (as
-        llama-server picks a slot); among equals, the one holding least."""
+        llama-server picks a slot); among equals, the one holding least, then
+        the lowest id: with a KV stream per sequence, llama.cpp batches in one
+        pass only sequences whose ids follow each other, so ids stay dense."""
         best = max(range(len(self.free)), key=lambda i: (
-            common_prefix(self.cached.get(self.free[i], ()), prompt), -len(self.cached.get(self.free[i], ())), i))
+            common_prefix(self.cached.get(self.free[i], ()), prompt), -len(self.cached.get(self.free[i], ())),
+            -self.free[i]))
         return self.free.pop(best)
 
     @property

@@ -58,7 +58,7 @@ class WorkerConfig(ServerConfig):
     ngram_cache: str = ""
     n_vocab: int = 0  # n-gram drafter: token ids must be below it (0: any non-negative id)
     threads: int = 1
-    kv_unified: bool = True
+    kv_unified: bool = False
     n_ctx: int = 2048
     n_seq: int = 4
     n_batch: int = 512
@@ -123,9 +123,9 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     add(p, "--n-ctx", int, 2048, "context size of one sequence")
     add(p, "--n-seq", int, 4, "sequences hosted at once")
     add(p, "--n-batch", int, 512, "largest batch decoded at once")
-    add(p, "--kv-unified", bool, True, "one KV buffer for all sequences, as llama.cpp's --kv-unified: any mix of "
-        "sequences and lengths decodes in one pass (per-sequence buffers split mixed batches, but attention "
-        "then reads only the sequence's own cells)")
+    add(p, "--kv-unified", bool, False, "one KV buffer for all sequences, as llama.cpp's --kv-unified: any mix of "
+        "sequences and lengths decodes in one pass, but greedy output under concurrency may then differ from "
+        "the request alone (logits depend on where cells sit) and attention reads every sequence's cells")
     add(p, "--n-gpu-layers", int, 0, "layers offloaded to the GPU (CUDA builds)")
     add(p, "--calibrate", bool, True, "time decode batches at load (the router's prior for adaptive speculation)")
     add(p, "--batch-wait-ms", float, 10.0, "longest wait (and at most a fifth of the last batch's time) for the "

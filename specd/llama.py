@@ -51,9 +51,11 @@ class LlamaConfig:
     n_batch: int = 512
     n_gpu_layers: int = 0
     # one KV buffer shared by all sequences (llama.cpp's --kv-unified): a
-    # batch of any sequences and lengths is one model pass; per-sequence
-    # streams split batches whose sequences differ in token count
-    kv_unified: bool = True
+    # batch of any sequences and lengths is one model pass, but a sequence's
+    # logits then depend on where its cells sit (greedy output under
+    # concurrency is no longer that of the request alone); per-sequence
+    # streams keep it, and split batches whose sequences differ in token count
+    kv_unified: bool = False
     verbose: bool = False
 
     @classmethod

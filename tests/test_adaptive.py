@@ -272,3 +272,20 @@ def test_drafting_is_tried_only_where_the_model_predicts_a_clear_gain():
     assert c.choose(None, 4, *four) > 0
     now[0] += 300  # ten half-lives: untried again
     assert c.choose(None, 4, *four) == 0
+
+
+def test_pool_hands_out_the_lowest_free_id():
+    # with a KV stream per sequence, llama.cpp batches only consecutive ids in one pass
+    import asyncio
+
+    from router.engine import SeqPool
+
+    async def main():
+        pool = SeqPool(4, max_queue=0)
+        got = [await pool.acquire() for _ in range(4)]
+        pool.release(2)
+        pool.release(0)
+        return got, await pool.acquire(), await pool.acquire()
+
+    got, first, second = asyncio.run(main())
+    assert got == [0, 1, 2, 3] and (first, second) == (0, 2)
