@@ -283,8 +283,8 @@ def test_pool_hands_out_the_lowest_free_id():
     async def main():
         pool = SeqPool(4, max_queue=0)
         got = [await pool.acquire() for _ in range(4)]
-        pool.release(2)
         pool.release(0)
+        pool.release(2)  # the most recently freed is not the lowest
         return got, await pool.acquire(), await pool.acquire()
 
     got, first, second = asyncio.run(main())
