@@ -19,7 +19,8 @@ target verifies, on its own compute: a round lasts as long as the slower of
 the two, plus the drafting nobody hid. t_target / t_draft are the curves
 each worker timed when it loaded; what they miss under load (`Slowdown`:
 router and RPC time, waiting for the batch, processes sharing cores) is
-learned from measured step times, per load level, as seconds added to a step. A draft that fell behind (it is not fed
+learned from measured step times, per load level, as seconds added to a
+step. A draft that fell behind (it is not fed
 while a session does not draft, nor prefilled when drafting could not pay)
 first decodes what it missed: that cost is spread over the steps left. Pure
 functions and small classes, so they are tested without models.
@@ -282,7 +283,7 @@ class Controller:
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
                 verify_tokens: int | None = None) -> float:
-        """The model's seconds for a step drafting k (no slowdown applied);
+        """The model's seconds for a step drafting k (no measured extras added);
         given the target's real batch (`verify_tokens`), what the model
         expects of that batch, so that other sessions' prompts sharing it
         are not taken for overhead."""
