@@ -132,14 +132,18 @@ class Acceptance:
 
 def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
                   hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
-                  verify_tokens: int | None = None) -> float:
+                  verify_tokens: int | None = None, target_shared: CostCurve | None = None) -> float:
     """T(k): seconds of one step of n_sessions sessions on the target, each
     verifying k drafts, while n_drafting sessions (default the same) share
-    the draft. `verify_tokens`: the target's batch as it really was."""
+    the draft. `verify_tokens`: the target's batch as it really was.
+    `target_shared`: the target's curve while the draft computes beside it
+    (workers sharing cores: with overlap the target verifies on its own
+    threads, see DecodeRequest.draft_busy)."""
     b = max(n_sessions, 1)
-    t_t = target(verify_tokens if verify_tokens else b * (k + 1))
+    n_t = verify_tokens if verify_tokens else b * (k + 1)
     if k <= 0:
-        return t_t
+        return target(n_t)
+    t_t = (target_shared if overlap and target_shared else target)(n_t)
     t_d = draft(max(n_drafting if n_drafting is not None else b, 1))
     if not overlap:
         return k * t_d + t_t
@@ -148,10 +152,11 @@ def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
 
 def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draft: CostCurve,
                       hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
-                      lag: int = 0, remaining: int = 0, verify_tokens: int | None = None) -> float:
+                      lag: int = 0, remaining: int = 0, verify_tokens: int | None = None,
+                      target_shared: CostCurve | None = None) -> float:
     """T(k) plus this step's share of catching a lagging draft up (e: the
     tokens a step is expected to yield)."""
-    t = round_seconds(k, n_sessions, target, draft, hidden, overlap, n_drafting, verify_tokens)
+    t = round_seconds(k, n_sessions, target, draft, hidden, overlap, n_drafting, verify_tokens, target_shared)
     if k > 0 and lag > 0:
         t += draft(lag) / max(remaining / e, 1.0)
     return t
@@ -160,7 +165,8 @@ def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draf
 def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve, draft: CostCurve,
                         hidden: float = 0.0, overlap: bool = False, margin: float = 0.10,
                         n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
-                        extra_plain: float = 0.0, extra_drafting: float = 0.0) -> int:
+                        extra_plain: float = 0.0, extra_drafting: float = 0.0,
+                        target_shared: CostCurve | None = None) -> int:
     """The k in [0, n_max] with the most expected tokens per second of a
     round; speculation must beat target-only by `margin` to be chosen. A
     draft `lag` tokens behind must decode them first: that one decode is
@@ -173,7 +179,8 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
     best = (1.0 + margin) / max(round_seconds(0, n_sessions, target, draft) + extra_plain, 1e-9)
     for k in range(1, n_max + 1):
         e = expected_tokens(a, k)
-        cost = predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining)
+        cost = predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining,
+                                 target_shared=target_shared)
         rate = e / max(cost + extra_drafting, 1e-9)
         if rate > best:
             best_k, best = k, rate
@@ -246,6 +253,7 @@ class Controller:
 
     target: CostCurve = field(default_factory=CostCurve)
     draft: CostCurve = field(default_factory=CostCurve)
+    target_shared: CostCurve = field(default_factory=CostCurve)  # empty: as `target`
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     weight: float = 0.1  # of a measured step without drafts in the slowdown averages
@@ -278,7 +286,8 @@ class Controller:
         return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
                                    margin=w * self.margin + (1.0 - w) * self.untried_margin,
                                    n_drafting=n_drafting, lag=lag, remaining=remaining,
-                                   extra_plain=extra_plain, extra_drafting=extra_drafting)
+                                   extra_plain=extra_plain, extra_drafting=extra_drafting,
+                                   target_shared=self.target_shared)
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
@@ -289,7 +298,7 @@ class Controller:
         are not taken for overhead."""
         e = expected_tokens(1.0 if acc is None else acc.rate, k)
         return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag,
-                                 remaining, verify_tokens)
+                                 remaining, verify_tokens, self.target_shared)
 
     def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
         """After every step (n_drafted 0 when it did not draft)."""

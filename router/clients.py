@@ -64,6 +64,8 @@ def _model_info(i: pb.ModelInfo) -> ModelInfo:
         can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
         eog_tokens=tuple(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
         decode_costs=tuple((c.n_tokens, c.seconds) for c in i.decode_costs),
+        n_threads_batch=i.n_threads_batch or i.n_threads,
+        decode_costs_shared=tuple((c.n_tokens, c.seconds) for c in i.decode_costs_shared),
     )
 
 
@@ -91,10 +93,22 @@ def _sampling_pb(s: Sampling) -> pb.SamplingParams:
 
 
 class _Ops:
-    """The operation methods, written once over `_send(op_name, **fields)`."""
+    """The operation methods, written once over `_send(op_name, **fields)`.
+    `computing`: decodes, verifications and proposals sent and not answered
+    yet (whether the worker is busy computing for the router)."""
 
-    async def decode(self, seq_id: int, pos: int, tokens):
-        return await self._send("decode", seq_id=seq_id, pos=pos, tokens=tokens)
+    computing = 0
+
+    def _track(self, fut: asyncio.Future) -> asyncio.Future:
+        self.computing += 1
+
+        def done(_):
+            self.computing -= 1
+        fut.add_done_callback(done)
+        return fut
+
+    async def decode(self, seq_id: int, pos: int, tokens, draft_busy: bool = False):
+        return self._track(await self._send("decode", seq_id=seq_id, pos=pos, tokens=tokens, draft_busy=draft_busy))
 
     async def seq_rm(self, seq_id: int, p0: int, p1: int):
         return await self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
@@ -117,12 +131,14 @@ class _Ops:
     async def clear(self, seq_id: int):
         return await self._send("clear", seq_id=seq_id)
 
-    async def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool):
-        return await self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
-                          sample_index=sample_index, trim=trim)
+    async def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
+                     draft_busy: bool = False):
+        return self._track(await self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
+                                            sample_index=sample_index, trim=trim, draft_busy=draft_busy))
 
     async def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
-        return await self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max, n_min=n_min, p_min=p_min)
+        return self._track(await self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
+                                            n_min=n_min, p_min=p_min))
 
 
 _REQUEST_TYPES = {
@@ -282,6 +298,7 @@ class LocalWorker(_Ops):
 
     async def _send(self, name: str, **f) -> asyncio.Future:
         e = self.engine
+        f.pop("draft_busy", None)  # one process: nothing to share cores with
         if name == "verify":
             def fn():
                 r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"])

@@ -288,6 +288,7 @@ class Router:
             self.n_ctx = info.n_ctx_seq
             self.pool = SeqPool(info.n_seq, self.settings.max_queue)
             self.controller.target = CostCurve(info.decode_costs)
+            self.controller.target_shared = CostCurve(info.decode_costs_shared)
         else:
             check_vocab(self.target_info, info, "target")
         await _done(t.client.clear(-1))  # start from empty sequences whatever came before
@@ -513,6 +514,11 @@ class Router:
     def _n_max(self, p) -> int:
         return p.n_max if p.n_max is not None else self.settings.n_max
 
+    def _draft_busy(self) -> bool:
+        """Whether the draft computes for some session right now: the
+        target's next batch then leaves it its cores (DecodeRequest.draft_busy)."""
+        return getattr(self.draft, "computing", 0) > 0
+
     def _n_sessions(self) -> int:
         return sum(t.n_active for t in self.targets)
 
@@ -540,8 +546,6 @@ class Router:
                   "no" if not use_draft else ("yes" if draft_too else "later"), self._n_sessions())
         pend_t, pend_d = s.pending_t, s.pending_d
         s.pending_t, s.pending_d = [], []
-        if s.n_t < n:
-            pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n]))
         if use_draft and draft_too and s.n_d < n:
             fut = await self.draft.decode(s.seq, s.n_d, s.ctx[s.n_d : n])
             if self._adaptive(s.p) and self._n_sessions() > 1:
@@ -550,6 +554,8 @@ class Router:
                 s.pending_d.append(fut)
             else:
                 pend_d.append(fut)
+        if s.n_t < n:
+            pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n], draft_busy=self._draft_busy()))
         results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
         for r in results[: len(pend_t)]:
             if isinstance(r, BaseException):
@@ -624,7 +630,8 @@ class Router:
 
         t1 = time.perf_counter()
         ck_t = (await s.target.checkpoint_save(seq)) if ckpt and drafts else None
-        ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt))
+        ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt,
+                                          draft_busy=self._draft_busy()))
         out = ver.tokens
         t_verify = time.perf_counter() - t1
         self.controller.target.observe(ver.batch_tokens, ver.batch_seconds)

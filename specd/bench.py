@@ -147,7 +147,8 @@ class InProcess:
         from specd.llama import LlamaConfig
         from target_worker.engine import TargetEngine
 
-        self.target = TargetEngine(LlamaConfig(target_model, n_ctx_seq=args.n_ctx, n_seq=1, n_threads=args.target_threads))
+        self.target = TargetEngine(LlamaConfig(target_model, n_ctx_seq=args.n_ctx, n_seq=1, n_threads=args.target_threads,
+                                                 n_threads_batch=args.target_threads_batch))
         if ngram:
             self.draft = NgramEngine(ngram, 1, args.n_ctx)
         else:
@@ -212,7 +213,8 @@ def bench(args) -> dict:
     for draft in drafts:
         draft_model, ngram = resolve_draft(draft)
         spec = ClusterSpec(target_model=target_model, draft_model=draft_model, ngram=ngram,
-                           target_threads=args.target_threads, draft_threads=args.draft_threads,
+                           target_threads=args.target_threads, target_threads_batch=args.target_threads_batch,
+                           draft_threads=args.draft_threads,
                            n_ctx=args.n_ctx, n_seq=1)
         inproc = InProcess(target_model, draft_model, ngram, args) if args.in_process else None
         with Cluster(spec) as cluster:
@@ -243,7 +245,8 @@ def bench(args) -> dict:
                     "cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": {"target": args.target, "target_model": target_model, "drafts": drafts, "draft_lengths": lengths,
                      "workload": args.workload, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                     "repeats": args.repeats, "target_threads": args.target_threads, "draft_threads": args.draft_threads,
+                     "repeats": args.repeats, "target_threads": args.target_threads,
+                     "target_threads_batch": args.target_threads_batch, "draft_threads": args.draft_threads,
                      "greedy": True},
         "greedy_output_mismatches": mismatches,
         "rows": rows,
@@ -268,7 +271,7 @@ def markdown(result: dict) -> str:
     s = result["settings"]
     lines.append("")
     lines.append(f"Machine: {result['machine']['cpus']} CPUs, {result['machine']['processor']}, {result['machine']['platform']}. "
-                 f"Target {os.path.basename(s['target_model'])} ({s['target_threads']} threads), drafts {', '.join(s['drafts'])} "
+                 f"Target {os.path.basename(s['target_model'])} ({s['target_threads']} threads, {s.get('target_threads_batch', s['target_threads'])} for batches), drafts {', '.join(s['drafts'])} "
                  f"({s['draft_threads']} thread), workload {s['workload']} ({s['prompts']} prompts × {s['max_tokens']} tokens, "
                  f"greedy), {s['repeats']} repetitions. Greedy output mismatches: {len(result['greedy_output_mismatches'])}.")
     return "\n".join(lines) + "\n"
@@ -316,6 +319,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--target-threads", type=int, default=1)
+    p.add_argument("--target-threads-batch", type=int, default=os.cpu_count() or 1,
+                   help="target threads for multi-token batches (default: all cores, as `specd up`)")
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--out", default="results", help="folder for bench.json, bench.md, bench.png")

@@ -67,7 +67,8 @@ def bench_load(args) -> dict:
     draft_model, ngram = resolve_draft(draft)
     base_prompts = load_prompts(args.workload, 0)
     spec = ClusterSpec(target_model=target_model, draft_model=draft_model, ngram=ngram,
-                       target_threads=args.target_threads, draft_threads=args.draft_threads,
+                       target_threads=args.target_threads, target_threads_batch=args.target_threads_batch,
+                       draft_threads=args.draft_threads,
                        n_ctx=args.n_ctx, n_seq=max(levels), router_args=["--no-prompt-cache"])
     cells: dict[tuple[int, str], list[dict]] = {}
     mismatches = []
@@ -111,6 +112,7 @@ def bench_load(args) -> dict:
                      "concurrency": levels, "workload": args.workload, "max_tokens": args.max_tokens,
                      "requests_per_session": args.requests_per_session, "min_requests": args.min_requests,
                      "repeats": args.repeats, "target_threads": args.target_threads,
+                     "target_threads_batch": args.target_threads_batch,
                      "draft_threads": args.draft_threads, "greedy": True, "prompt_cache": False},
         "greedy_output_mismatches": mismatches,
         "rows": sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["mode"]))),
@@ -128,7 +130,7 @@ def markdown(result: dict) -> str:
                      f"| {r['vs_target_only']:.2f} | {r['vs_one_session']:.2f} | {acc} | {r['drafted_per_token']:.2f} |")
     lines.append("")
     lines.append(f"Machine: {result['machine']['cpus']} CPUs. Target {os.path.basename(s['target_model'])} "
-                 f"({s['target_threads']} threads), draft {s['draft']} ({s['draft_threads']} threads), fixed and "
+                 f"({s['target_threads']} threads, {s.get('target_threads_batch', s['target_threads'])} for batches), draft {s['draft']} ({s['draft_threads']} threads), fixed and "
                  f"adaptive draft length bound {s['n_draft']}, workload {s['workload']}, {s['max_tokens']} tokens per "
                  f"request, {s['requests_per_session']} requests per session (at least {s['min_requests']} per cell), "
                  f"greedy, prompt cache off, {s['repeats']} repetitions. Greedy output mismatches across modes: "

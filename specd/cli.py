@@ -55,12 +55,13 @@ def _cluster_spec(args: argparse.Namespace, router_port: int):
     from specd.models import default_models
 
     paths = default_models(quiet=True)
-    t_threads, d_threads = default_threads()
+    t_threads, t_batch, d_threads = default_threads()
     return ClusterSpec(
         target_model=args.target_model or paths["target"],
         draft_model="" if args.ngram else (args.draft_model or paths["draft"]),
         ngram=args.ngram,
         target_threads=args.target_threads or t_threads,
+        target_threads_batch=args.target_threads_batch or (t_batch if not args.target_threads else 0),
         draft_threads=args.draft_threads or d_threads,
         n_ctx=args.n_ctx,
         n_seq=args.n_seq,
@@ -162,6 +163,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="", help="draft GGUF (default: the default draft)")
     p.add_argument("--ngram", default="", help="use a model-free drafter instead of a draft model")
     p.add_argument("--target-threads", type=int, default=0, help="default: cores - 1")
+    p.add_argument("--target-threads-batch", type=int, default=0,
+                   help="target threads for multi-token batches (default: all cores, or --target-threads if given)")
     p.add_argument("--draft-threads", type=int, default=0, help="default: 1")
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--n-seq", type=int, default=4)

@@ -58,6 +58,7 @@ class WorkerConfig(ServerConfig):
     ngram_cache: str = ""
     n_vocab: int = 0  # n-gram drafter: token ids must be below it (0: any non-negative id)
     threads: int = 1
+    threads_batch: int = 0
     kv_unified: bool = False
     n_ctx: int = 2048
     n_seq: int = 4
@@ -120,6 +121,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         add(p, "--n-vocab", int, 0, "n-gram drafter: vocabulary size of the target; token ids at or above it "
             "are refused (0: any non-negative id)")
     add(p, "--threads", int, 1, "threads for decoding; set it explicitly when processes share cores")
+    add(p, "--threads-batch", int, 0, "threads for batches of more than one token (prompts, verifications, "
+        "batched sessions), as llama.cpp's --threads-batch (0: --threads)")
     add(p, "--n-ctx", int, 2048, "context size of one sequence")
     add(p, "--n-seq", int, 4, "sequences hosted at once")
     add(p, "--n-batch", int, 512, "largest batch decoded at once")

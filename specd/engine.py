@@ -50,6 +50,9 @@ class ModelInfo:
     model_path: str
     # (n_tokens, seconds) of one llama_decode, measured at load
     decode_costs: tuple[tuple[int, float], ...] = ()
+    n_threads_batch: int = 0  # 0: n_threads
+    # decode_costs on n_threads alone (the draft computing meanwhile); () when the same
+    decode_costs_shared: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -100,7 +103,8 @@ class WorkerEngine:
         self._handles = itertools.count(1)
         self.stats = EngineStats()
         # called with (tokens, seconds, sequences) after every llama_decode
-        self.on_decode: Callable[[int, float, int], None] | None = None
+        # (tokens, seconds, sequences, threads) of every llama_decode
+        self.on_decode: Callable[[int, float, int, int], None] | None = None
         # per sequence: (tokens, seconds) of the last llama_decode it took part in
         self.round_cost: dict[int, tuple[int, float]] = {}
 
@@ -132,6 +136,10 @@ class WorkerEngine:
 
     def info(self) -> ModelInfo:
         raise NotImplementedError
+
+    def share_cores(self, shared: bool) -> None:
+        """Whether the next batches run while the draft computes on the same
+        machine (see LlamaModel.share_cores); nothing to do without a model."""
 
     # -------------------------------------------------------------- validation
     def _check_seq(self, seq_id: int, name: str = "seq_id") -> SeqTokens:

@@ -28,6 +28,7 @@ class ClusterSpec:
     ngram: str = ""
     target_threads: int = 1
     draft_threads: int = 1
+    target_threads_batch: int = 0  # 0: target_threads
     n_ctx: int = 2048
     n_seq: int = 4
     host: str = "127.0.0.1"
@@ -129,14 +130,19 @@ class Cluster:
         deadline = time.monotonic() + timeout
         try:
             names = ["target"] + [f"target{i + 1}" for i in range(1, s.n_targets)]
-            for name in names:
-                self.procs[name] = Proc(name, [*self._worker_args("target", s.target_threads), "--model", s.target_model],
-                                        self.workdir)
             draft_addr = ""
             if s.draft_model or s.ngram:
                 src = ["--ngram", s.ngram] if s.ngram else ["--model", s.draft_model]
                 self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *src, *s.draft_args], self.workdir)
                 draft_addr = f"{s.host}:{self.procs['draft'].wait_port(deadline)}"
+                if s.target_threads_batch > s.target_threads:
+                    # the target times its batches on the draft's cores too
+                    # when it loads: not while the draft loads and times its own
+                    wait_serving(draft_addr, deadline, list(self.procs.values()))
+            for name in names:
+                self.procs[name] = Proc(name, [*self._worker_args("target", s.target_threads), "--model", s.target_model,
+                                         "--threads-batch", str(s.target_threads_batch)],
+                                        self.workdir)
             target_addr = ",".join(f"{s.host}:{self.procs[n].wait_port(deadline)}" for n in names)
             args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr,
                     *self._metrics_args("router"), *s.router_args]
@@ -176,7 +182,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def default_threads() -> tuple[int, int]:
-    """Target and draft threads for one machine: the draft gets one core."""
+def default_threads() -> tuple[int, int, int]:
+    """Target threads, target batch threads and draft threads for one machine.
+
+    The draft keeps one core. Batches of more than one token (prompts,
+    verifications, several sessions) take every core: while the target
+    verifies, the draft mostly waits for the result, and with drafting off
+    (target-only, or adaptive under load) it idles. Single tokens stay on the
+    target's own cores: for them a second thread costs more in wake-ups and
+    contention with the router than it saves (docs/perf/load).
+    """
     n = os.cpu_count() or 2
-    return max(1, n - 1), 1
+    return max(1, n - 1), n, 1

@@ -48,6 +48,9 @@ class LlamaConfig:
     n_ctx_seq: int = 2048
     n_seq: int = 1
     n_threads: int = 1
+    # threads for batches of more than one token (prompts, verifications,
+    # batched sessions), llama.cpp's n_threads_batch; 0: n_threads
+    n_threads_batch: int = 0
     n_batch: int = 512
     n_gpu_layers: int = 0
     # one KV buffer shared by all sequences (llama.cpp's --kv-unified): a
@@ -62,7 +65,7 @@ class LlamaConfig:
     def of_worker(cls, cfg) -> "LlamaConfig":
         """From a specd.config.WorkerConfig."""
         return cls(cfg.model, n_ctx_seq=cfg.n_ctx, n_seq=cfg.n_seq, n_threads=cfg.threads,
-                   n_batch=cfg.n_batch, n_gpu_layers=cfg.n_gpu_layers, kv_unified=cfg.kv_unified)
+                   n_threads_batch=cfg.threads_batch, n_batch=cfg.n_batch, n_gpu_layers=cfg.n_gpu_layers, kv_unified=cfg.kv_unified)
 
 
 class LlamaModel:
@@ -85,7 +88,7 @@ class LlamaModel:
         cparams.n_ubatch = config.n_batch
         cparams.n_seq_max = config.n_seq
         cparams.n_threads = config.n_threads
-        cparams.n_threads_batch = config.n_threads
+        cparams.n_threads_batch = config.n_threads_batch or config.n_threads
         cparams.no_perf = True
         cparams.kv_unified = config.kv_unified
         self._ctx = L.llama_init_from_model(self._model, cparams)
@@ -98,6 +101,9 @@ class LlamaModel:
         self.n_ctx_seq = min(config.n_ctx_seq, int(L.llama_n_ctx_seq(self._ctx)))
         self.n_seq = config.n_seq
         self.n_batch = config.n_batch
+        # as configured: single tokens, batches of more than one
+        self.threads = (int(L.llama_n_threads(self._ctx)), int(L.llama_n_threads_batch(self._ctx)))
+        self._batch_threads = self.threads[1]
         self.is_recurrent = bool(L.llama_model_is_recurrent(self._model)) or bool(
             L.llama_model_is_hybrid(self._model)
         )
@@ -108,6 +114,21 @@ class LlamaModel:
         self._setup_batch(config.n_batch)
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
+
+    def threads_for(self, n_tokens: int) -> int:
+        """Threads llama.cpp decodes a batch of n_tokens on now (per ubatch:
+        n_threads for one token)."""
+        return self.threads[0] if n_tokens == 1 else self._batch_threads
+
+    def share_cores(self, shared: bool) -> None:
+        """Decode batches on the batch threads, or, while another process
+        computes on the cores those borrow (`shared`), on the base threads:
+        more threads than cores make llama.cpp's threads spin at every
+        barrier waiting for a descheduled one."""
+        n = self.threads[0] if shared else self.threads[1]
+        if n != self._batch_threads:
+            L.llama_set_n_threads(self._ctx, self.threads[0], n)
+            self._batch_threads = n
 
     # ----------------------------------------------------------------- batch
     def _setup_batch(self, n: int) -> None:

@@ -121,6 +121,9 @@ class WorkerPrometheus:
         self.latency = Histogram("specd_worker_decode_latency_seconds", "llama_decode latency", buckets=LATENCY_BUCKETS, registry=r)
         self.sequences = Histogram("specd_worker_decode_batch_sequences", "Sequences sharing one llama_decode (continuous batching)",
                                    buckets=SEQ_BUCKETS, registry=r)
+        self.threads = Counter("specd_worker_decode_multi_token_batches", "llama_decode calls of more than one "
+                               "token by the threads they ran on (--threads-batch, or --threads while the draft "
+                               "computes on the same machine)", ["threads"], registry=r)
         self.engine = None
         r.register(self)
 
@@ -128,7 +131,9 @@ class WorkerPrometheus:
         self.engine = engine
         engine.on_decode = self.on_decode
 
-    def on_decode(self, n_tokens: int, seconds: float, n_sequences: int = 1) -> None:
+    def on_decode(self, n_tokens: int, seconds: float, n_sequences: int = 1, threads: int = 1) -> None:
+        if n_tokens > 1:
+            self.threads.labels(threads=str(threads)).inc()
         self.batch.observe(n_tokens)
         self.latency.observe(seconds)
         self.sequences.observe(n_sequences)

@@ -25,6 +25,7 @@ class ModelEngine(WorkerEngine):
         self.can_shift = self.model.can_shift
         self._fingerprint = self.model.vocab_fingerprint()
         self.decode_costs: tuple[tuple[int, float], ...] = ()
+        self.decode_costs_shared: tuple[tuple[int, float], ...] = ()
 
     def info(self) -> ModelInfo:
         m = self.model
@@ -41,15 +42,34 @@ class ModelEngine(WorkerEngine):
             n_swa=m.n_swa,
             eog_tokens=m.eog_tokens,
             add_bos=m.add_bos,
-            n_threads=self.config.n_threads,
+            n_threads=m.threads[0],
+            n_threads_batch=m.threads[1],
             model_path=self.config.model_path,
             decode_costs=self.decode_costs,
+            decode_costs_shared=self.decode_costs_shared,
         )
+
+    def share_cores(self, shared: bool) -> None:
+        self.model.share_cores(shared)
 
     def calibrate(self, max_tokens: int = 64, repeats: int = 5) -> None:
         """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens (the
-        router's prior for adaptive speculation); leaves the sequences empty.
-        Each size keeps its fastest of `repeats` runs, taken in interleaved
+        router's prior for adaptive speculation), on the batch threads and,
+        when those are more, on the base threads alone (`decode_costs_shared`);
+        leaves the sequences empty."""
+        self.decode_costs = self._time_decodes(max_tokens, repeats)
+        log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs))
+        if self.model.threads[1] != self.model.threads[0]:
+            self.share_cores(True)
+            try:
+                self.decode_costs_shared = self._time_decodes(max_tokens, repeats)
+            finally:
+                self.share_cores(False)
+            log.info("decode cost on %d threads (tokens: ms): %s", self.model.threads[0],
+                     ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs_shared))
+
+    def _time_decodes(self, max_tokens: int, repeats: int) -> tuple[tuple[int, float], ...]:
+        """Each size keeps its fastest of `repeats` runs, taken in interleaved
         sweeps so that a passing disturbance (the other worker starting on
         the same cores) cannot spoil every run of one size, and a bigger
         batch is never reported cheaper than a smaller one."""
@@ -66,8 +86,7 @@ class ModelEngine(WorkerEngine):
         costs = []
         for n in sizes:
             costs.append((n, max(best[n], costs[-1][1] if costs else 0.0)))
-        self.decode_costs = tuple(costs)
-        log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in costs))
+        return tuple(costs)
 
     # ------------------------------------------------------------- storage
     def _decode_g(self, seq_id: int, pos: int, toks: np.ndarray, n_logits: int) -> Steps:
@@ -107,7 +126,7 @@ class ModelEngine(WorkerEngine):
             for i in idx:
                 self.round_cost[parts[i][0]] = (n_tokens, seconds)
             if self.on_decode is not None:
-                self.on_decode(n_tokens, seconds, len(idx))
+                self.on_decode(n_tokens, seconds, len(idx), self.model.threads_for(n_tokens))
             last = g == len(groups) - 1
             for i, lg in zip(idx, logits):
                 out[i] = lg if last or lg is None else lg.copy()

@@ -38,6 +38,8 @@ def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
         can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
         eog_tokens=list(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
         decode_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs],
+        n_threads_batch=i.n_threads_batch or i.n_threads,
+        decode_costs_shared=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs_shared],
     )
 
 
@@ -50,6 +52,7 @@ def sampling_from_pb(s: pb.SamplingParams) -> Sampling:
 def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
     if not hasattr(e, "verify"):
         raise Unimplemented("Verify is served by the target worker only")
+    e.share_cores(r.draft_busy)
     res = e.verify(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim)
     return pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state),
                              compute_seconds=res.compute_seconds)
@@ -74,7 +77,7 @@ def _drop(e, r):
 
 # name of the WorkerOp oneof field -> (engine call, WorkerResult field)
 OPS: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
-    "decode": (lambda e, r: state_pb(e.decode(r.seq_id, r.pos, r.tokens)), "state"),
+    "decode": (lambda e, r: e.share_cores(r.draft_busy) or state_pb(e.decode(r.seq_id, r.pos, r.tokens)), "state"),
     "seq_rm": (lambda e, r: state_pb(e.seq_rm(r.seq_id, r.p0, r.p1)), "state"),
     "seq_add": (lambda e, r: state_pb(e.seq_add(r.seq_id, r.p0, r.p1, r.delta)), "state"),
     "seq_cp": (lambda e, r: state_pb(e.seq_cp(r.seq_id_src, r.seq_id_dst, r.p0, r.p1)), "state"),
@@ -130,6 +133,7 @@ def run_round(engine, window: Window) -> list[pb.WorkerResult]:
             slots.append(None)
         except SpecdError as exc:
             slots.append(_error_pb(kind, exc))
+    engine.share_cores(any(getattr(getattr(op, kind), "draft_busy", False) for kind, op in zip(kinds, window.batch)))
     results = iter(engine.run_batch(steps))
     for kind, slot in zip(kinds, slots):
         if slot is None:

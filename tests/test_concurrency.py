@@ -23,7 +23,8 @@ N_SEQ = 8
 
 @pytest.fixture(scope="module")
 def busy(cluster_factory):
-    return cluster_factory(n_ctx=1536, n_seq=N_SEQ, metrics=True)
+    # batches on both cores while the draft idles, as `specd up` runs them
+    return cluster_factory(n_ctx=1536, n_seq=N_SEQ, metrics=True, target_threads=1, target_threads_batch=2)
 
 
 def mixed_requests() -> list[tuple[str, dict]]:
@@ -69,6 +70,25 @@ def test_16_concurrent_streams_match_each_run_alone(busy):
     one = after['{le="1.0"}'] - before['{le="1.0"}']
     total = after['{le="+Inf"}'] - before['{le="+Inf"}']
     assert total > one, (one, total)
+
+
+def test_target_batches_borrow_the_draft_core_only_while_the_draft_idles(busy):
+    """--threads-batch 2 next to a one-thread draft: a target-only request's
+    prompt decodes on 2 threads; while a speculative request drafts (its
+    prompt goes to both workers, its verifications run beside the draft's
+    look-ahead) the target's batches run on its one thread."""
+    name = "specd_worker_decode_multi_token_batches_total"
+    port = busy.metrics_ports["target"]
+    with RouterClient(busy.router_address, timeout=600) as client:
+        m0 = metric(port, name)
+        client.generate(PROMPTS[0] + " (alone)", max_tokens=8, speculative=False)
+        m1 = metric(port, name)
+        r = client.generate(PROMPTS[1] + " (drafted)", max_tokens=32, n_draft=4, adaptive=False)
+        m2 = metric(port, name)
+    solo, shared = '{threads="2"}', '{threads="1"}'
+    assert m1.get(solo, 0) - m0.get(solo, 0) >= 1 and m1.get(shared, 0) == m0.get(shared, 0), (m0, m1)
+    assert r.n_drafted > 0
+    assert m2.get(shared, 0) - m1.get(shared, 0) >= r.n_drafted // 4, (m1, m2)
 
 
 def test_prompt_cache_reuses_a_long_prefix(busy):

@@ -47,3 +47,23 @@ def test_a_sequence_gets_the_context_asked_for(model):
     # llama.cpp pads the context (to 256 per sequence here), and a unified
     # buffer reports all sequences' cells as one sequence's context
     assert model.n_ctx_seq == 64
+
+
+def test_batch_threads_change_speed_not_numbers(models):
+    """--threads-batch: batches run on more threads, single tokens stay on
+    --threads, and the logits are bit for bit those of one thread (each
+    output row is summed by one thread), so greedy output cannot change."""
+    logits = []
+    for n_batch_threads in (0, 2):
+        m = LlamaModel(LlamaConfig(models["target"], n_ctx_seq=64, n_seq=4, n_threads=1,
+                                   n_threads_batch=n_batch_threads))
+        try:
+            assert m.threads == (1, n_batch_threads or 1)
+            prefill(m)
+            got = [np.array(x) for x in m.decode_multi([(s, len(PROMPTS[s]), toks, n) for s, toks, n in PARTS])]
+            got.append(np.array(m.decode(0, len(PROMPTS[0]) + 1, [30], 1)))
+            logits.append(got)
+        finally:
+            m.close()
+    for one, two in zip(*logits):
+        assert np.array_equal(one, two)

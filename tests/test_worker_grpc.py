@@ -43,7 +43,7 @@ def wait_serving(address: str, timeout: float = 60) -> list[int]:
 
 @pytest.fixture(scope="module")
 def target(models, tmp_path_factory):
-    proc, address = start_worker("target", models["target"], tmp_path_factory.mktemp("target"))
+    proc, address = start_worker("target", models["target"], tmp_path_factory.mktemp("target"), "--threads-batch", "2")
     seen = wait_serving(address)
     ch = grpc.insecure_channel(address)
     yield pb_grpc.WorkerStub(ch), pb_grpc.TargetWorkerStub(ch), seen, proc
@@ -66,6 +66,11 @@ def code_of(fn, *a, **kw):
 def test_health_goes_serving_after_load(target):
     seen = target[2]
     assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_model_info_reports_the_threads_llama_cpp_uses(target):
+    info = target[0].GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.n_threads, info.n_threads_batch) == (1, 2)
 
 
 def test_model_info_carries_a_calibrated_cost_curve(target):

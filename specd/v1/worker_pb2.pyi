@@ -66,6 +66,8 @@ class ModelInfo(_message.Message):
     N_THREADS_FIELD_NUMBER: _builtins.int
     MODEL_PATH_FIELD_NUMBER: _builtins.int
     DECODE_COSTS_FIELD_NUMBER: _builtins.int
+    N_THREADS_BATCH_FIELD_NUMBER: _builtins.int
+    DECODE_COSTS_SHARED_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"model" for a llama.cpp model, "ngram" for a model-free drafter."""
     description: _builtins.str
@@ -96,6 +98,10 @@ class ModelInfo(_message.Message):
     """Threads used for decoding."""
     model_path: _builtins.str
     """Path or name of the loaded model file."""
+    n_threads_batch: _builtins.int
+    """Threads used for batches of more than one token (llama_n_threads_batch:
+    prompts, verifications, several sequences at once); n_threads otherwise.
+    """
     @_builtins.property
     def eog_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-generation token ids."""
@@ -105,6 +111,13 @@ class ModelInfo(_message.Message):
         """Seconds of one llama_decode of n_tokens tokens, measured when the model
         loaded; the router's prior for adaptive speculation. Empty for a
         drafter without a model.
+        """
+
+    @_builtins.property
+    def decode_costs_shared(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeCost]:
+        """As decode_costs, on n_threads only: what a batch costs while the draft
+        computes on the same machine (DecodeRequest.draft_busy). Empty when
+        n_threads_batch equals n_threads.
         """
 
     def __init__(
@@ -125,10 +138,12 @@ class ModelInfo(_message.Message):
         n_threads: _builtins.int = ...,
         model_path: _builtins.str = ...,
         decode_costs: _abc.Iterable[Global___DecodeCost] | None = ...,
+        n_threads_batch: _builtins.int = ...,
+        decode_costs_shared: _abc.Iterable[Global___DecodeCost] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_vocab", b"n_vocab", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -165,10 +180,17 @@ class DecodeRequest(_message.Message):
     SEQ_ID_FIELD_NUMBER: _builtins.int
     POS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_BUSY_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     """Sequence to decode into."""
     pos: _builtins.int
     """Position of tokens[0]; must be pos_max + 1 of the sequence (0 when empty)."""
+    draft_busy: _builtins.bool
+    """The sender runs draft work at the same time. A worker whose
+    --threads-batch exceeds --threads then decodes on --threads, leaving the
+    cores it would borrow to the draft (workers sharing one machine); a
+    batch of several operations does so if any of them sets it.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids to decode; each in [0, n_vocab)."""
@@ -179,10 +201,11 @@ class DecodeRequest(_message.Message):
         seq_id: _builtins.int = ...,
         pos: _builtins.int = ...,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
+        draft_busy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pos", b"pos", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "pos", b"pos", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -625,6 +648,7 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
     TRIM_FIELD_NUMBER: _builtins.int
+    DRAFT_BUSY_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0] (id_last); must be pos_max + 1 of the sequence."""
@@ -637,6 +661,8 @@ class VerifyRequest(_message.Message):
     sequence at [.., pos + n_accepted]. False in checkpoint mode, where the
     router restores a checkpoint instead.
     """
+    draft_busy: _builtins.bool
+    """As DecodeRequest.draft_busy: the draft computes meanwhile."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[id_last, d0, ..., dk-1]: the last accepted token and k drafts (k >= 0)."""
@@ -652,10 +678,11 @@ class VerifyRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         sample_index: _builtins.int = ...,
         trim: _builtins.bool = ...,
+        draft_busy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
