@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_smoke(tmp_path, models):
     out = tmp_path / "results"
@@ -42,7 +44,18 @@ def test_bench_load_smoke(tmp_path, models):
     assert result["greedy_output_mismatches"] == []
     fixed = next(r for r in result["rows"] if r["mode"] == "fixed" and r["concurrency"] == 1)
     assert fixed["acceptance"] is not None and fixed["tok_s_median"] > 0
+    base = next(r for r in result["rows"] if r["mode"] == "target-only" and r["concurrency"] == 2)
+    assert base["vs_target_only_paired"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     assert "| 2 | adaptive |" in (out / "bench-load.md").read_text()
+
+
+def test_paired_ratios_cancel_drift_between_repetitions():
+    from specd.bench_load import paired_ratios
+
+    # the machine ran 20% faster in the second repetition: both modes moved
+    # together, and each repetition says the mode is 5% faster
+    assert paired_ratios([105.0, 126.0], [100.0, 120.0]) == pytest.approx([1.05, 1.05])
+    assert paired_ratios([1.0], [0.0]) == []
 
 
 def test_drafts_list_keeps_ngram_chains_and_parameters():
