@@ -23,6 +23,17 @@ def _bool(v: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
 
 
+def at_least(minimum: int):
+    """An int flag type refusing values below `minimum`."""
+    def parse(v: str) -> int:
+        n = int(v)
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
 def add(parser: argparse.ArgumentParser, flag: str, type=str, default=None, help: str = "", **kw) -> None:
     """Add `flag` whose default comes from its environment variable."""
     env = env_name(flag)
@@ -120,8 +131,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         add(p, "--ngram-cache", str, "", "file the `cache` drafter loads its static n-gram cache from")
         add(p, "--n-vocab", int, 0, "n-gram drafter: vocabulary size of the target; token ids at or above it "
             "are refused (0: any non-negative id)")
-    add(p, "--threads", int, 1, "threads for decoding; set it explicitly when processes share cores")
-    add(p, "--threads-batch", int, 0, "threads for batches of more than one token (prompts, verifications, "
+    add(p, "--threads", at_least(1), 1, "threads for decoding; set it explicitly when processes share cores")
+    add(p, "--threads-batch", at_least(0), 0, "threads for batches of more than one token (prompts, verifications, "
         "batched sessions), as llama.cpp's --threads-batch (0: --threads)")
     add(p, "--n-ctx", int, 2048, "context size of one sequence")
     add(p, "--n-seq", int, 4, "sequences hosted at once")

@@ -49,6 +49,11 @@ def sampling_from_pb(s: pb.SamplingParams) -> Sampling:
 
 
 # ------------------------------------------------------------------ operations
+def _decode(e, r: pb.DecodeRequest) -> pb.SeqState:
+    e.share_cores(r.draft_busy)
+    return state_pb(e.decode(r.seq_id, r.pos, r.tokens))
+
+
 def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
     if not hasattr(e, "verify"):
         raise Unimplemented("Verify is served by the target worker only")
@@ -77,7 +82,7 @@ def _drop(e, r):
 
 # name of the WorkerOp oneof field -> (engine call, WorkerResult field)
 OPS: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
-    "decode": (lambda e, r: e.share_cores(r.draft_busy) or state_pb(e.decode(r.seq_id, r.pos, r.tokens)), "state"),
+    "decode": (_decode, "state"),
     "seq_rm": (lambda e, r: state_pb(e.seq_rm(r.seq_id, r.p0, r.p1)), "state"),
     "seq_add": (lambda e, r: state_pb(e.seq_add(r.seq_id, r.p0, r.p1, r.delta)), "state"),
     "seq_cp": (lambda e, r: state_pb(e.seq_cp(r.seq_id_src, r.seq_id_dst, r.p0, r.p1)), "state"),

@@ -2,6 +2,8 @@
 the ordered Execute pipeline, bad input, health."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -262,3 +264,10 @@ def test_draft_worker_proposes_and_keeps_contract(models, tmp_path):
             assert w.GetModelInfo(pb.GetModelInfoRequest()).kind == "model"
     finally:
         assert proc.stop() == 0  # SIGTERM: graceful, exit code 0
+
+
+@pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--threads-batch", "-1"), ("--threads", "two")])
+def test_thread_flags_refuse_bad_values_naming_the_flag(flag, value):
+    p = subprocess.run([sys.executable, "-m", "specd", "target", flag, value], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and f"argument {flag}:" in p.stderr, p.stderr
