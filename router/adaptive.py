@@ -28,6 +28,8 @@ functions and small classes, so they are tested without models.
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -190,7 +192,14 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
 @dataclass
 class Slowdown:
     """Seconds measured steps took beyond the predicted ones at one load
-    level, for steps that drafted and steps that did not (moving averages).
+    level, for steps that drafted and steps that did not: the median of the
+    last `window` of each. A burst of steps queued behind a prompt or a
+    draft's catch-up must not make every step look slow: a moving average
+    of plain steps reached 36 ms at 2 sessions where the median was 8 (and
+    both sessions drafted at a loss), one of drafting steps 45-58 ms at one
+    session where typical steps took 20-35 (and drafting stopped where it
+    gave 1.7x). What a request's first drafting step adds (the draft's
+    catch-up) the model prices itself (`lag`).
     Added, not multiplied: what the model leaves out is mostly a per-step
     cost (router and RPC time, waiting for the batch to gather), and as a
     factor the plain steps' large share of it would make drafting steps,
@@ -205,10 +214,30 @@ class Slowdown:
     the model says drafting cannot pay never drafts; one where it can is
     tried again once what drafting showed there has faded."""
 
-    drafting: float = 0.0
-    plain: float = 0.0
     stamp: float | None = None  # time of the last drafting step
     half_life: float = 30.0
+    window: int = 64
+    recent_plain: collections.deque = field(default_factory=collections.deque)
+    recent_drafting: collections.deque = field(default_factory=collections.deque)
+
+    @property
+    def plain(self) -> float:
+        return statistics.median(self.recent_plain) if self.recent_plain else 0.0
+
+    @property
+    def drafting(self) -> float:
+        return statistics.median(self.recent_drafting) if self.recent_drafting else 0.0
+
+    def observe(self, extra: float, drafted: bool, now: float) -> None:
+        if drafted:
+            if self.freshness(now) < 0.5:  # what drafting showed here has faded: start over
+                self.recent_drafting.clear()
+            recent, self.stamp = self.recent_drafting, now
+        else:
+            recent = self.recent_plain
+        recent.append(extra)
+        while len(recent) > self.window:
+            recent.popleft()
 
     def freshness(self, now: float) -> float:
         if self.stamp is None:
@@ -256,8 +285,6 @@ class Controller:
     target_shared: CostCurve = field(default_factory=CostCurve)  # empty: as `target`
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
-    weight: float = 0.1  # of a measured step without drafts in the slowdown averages
-    weight_drafting: float = 0.3  # of a measured step with drafts (fewer of them)
     # how much drafting must be predicted to beat target-only by: with recent
     # evidence at that load level `margin`, without it `untried_margin`. The
     # calibrated model errs one way under load (two processes decoding at
@@ -308,17 +335,21 @@ class Controller:
             self.overall.tick()
             self.overall.observe(n_drafted, n_accepted)
 
-    def observe_time(self, n_sessions: int, drafted: bool, predicted: float, seconds: float) -> None:
-        """A step's measured seconds against what `predict` said."""
+    def observe_time(self, n_sessions: int, drafted: bool, predicted: float, seconds: float,
+                     batch_tokens: int = 0, draft_busy: bool = False) -> None:
+        """A step's measured seconds against what `predict` said.
+
+        A step without drafts whose target batch carried more than one token
+        per session (others' drafts or prompts: `batch_tokens`), or ran
+        while the draft computed (`draft_busy`: the target gave back the
+        cores it borrows), waited on work of other sessions. Its time says
+        nothing of what a step costs when nobody drafts, so it is not
+        counted: at 2 sessions one session drafting made the other's plain
+        steps take 60-70 ms, the plain figure learned +35 ms, and against
+        that drafting looked twice as fast as not, for both sessions."""
         if predicted <= 0 or seconds <= 0:
             return
+        if not drafted and (draft_busy or batch_tokens > n_sessions):
+            return
         extra = min(seconds - predicted, 10.0 * predicted)  # one stalled step must not rule for long
-        slow = self.slowdown(n_sessions)
-        if drafted:
-            now = self.clock()
-            w = slow.freshness(now)  # an old figure counts as little as it would weigh in a choice
-            slow.drafting = w * slow.drafting + (1.0 - w) * extra
-            slow.drafting += self.weight_drafting * (extra - slow.drafting)
-            slow.stamp = now
-        else:
-            slow.plain += self.weight * (extra - slow.plain)
+        self.slowdown(n_sessions).observe(extra, drafted, self.clock())

@@ -630,8 +630,9 @@ class Router:
 
         t1 = time.perf_counter()
         ck_t = (await s.target.checkpoint_save(seq)) if ckpt and drafts else None
+        draft_busy = self._draft_busy()
         ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt,
-                                          draft_busy=self._draft_busy()))
+                                          draft_busy=draft_busy))
         out = ver.tokens
         t_verify = time.perf_counter() - t1
         self.controller.target.observe(ver.batch_tokens, ver.batch_seconds)
@@ -702,7 +703,7 @@ class Router:
         n_target, n_all = s.tgt.n_active, self._n_sessions()
         predicted = self.controller.predict(s.acc, k, n_target, hidden_now, load[2], n_all, load[4],
                                             verify_tokens=ver.batch_tokens)
-        self.controller.observe_time(n_target, k > 0, predicted, stats.step_seconds)
+        self.controller.observe_time(n_target, k > 0, predicted, stats.step_seconds, ver.batch_tokens, draft_busy)
         for obs in self.step_observers:
             obs(stats)
         if log.isEnabledFor(logging.DEBUG):
