@@ -703,7 +703,8 @@ class Router:
         n_target, n_all = s.tgt.n_active, self._n_sessions()
         predicted = self.controller.predict(s.acc, k, n_target, hidden_now, load[2], n_all, load[4],
                                             verify_tokens=ver.batch_tokens)
-        self.controller.observe_time(n_target, k > 0, predicted, stats.step_seconds, ver.batch_tokens, draft_busy)
+        self.controller.observe_time(n_target, k > 0, predicted, stats.step_seconds, ver.batch_tokens, draft_busy,
+                                     ver.batch_seconds)
         for obs in self.step_observers:
             obs(stats)
         if log.isEnabledFor(logging.DEBUG):

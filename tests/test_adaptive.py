@@ -336,3 +336,15 @@ def test_each_requests_costly_first_drafting_step_does_not_stop_drafting_alone()
         c.observe_time(1, True, c.predict(a, 4, *load), c.predict(a, 4, *load) + extra)
     assert c.slowdown(1).drafting == pytest.approx(0.020)
     assert c.choose(a, 4, *load) == 4
+
+
+def test_plain_batches_slower_than_modelled_are_not_taken_for_overhead():
+    # 7 sessions whose ids have holes (others finished): 7 single tokens take
+    # two model passes, 58 ms against the model's ~20; the step, 63 ms, has
+    # 5 ms of overhead, not 43
+    c = controller_here()
+    a = c.new_session()
+    load = (7, 0.5, True, 7)
+    for _ in range(30):
+        c.observe_time(7, False, c.predict(a, 0, *load), 0.063, batch_tokens=7, batch_seconds=0.058)
+    assert c.slowdown(7).plain == pytest.approx(0.005)
