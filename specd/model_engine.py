@@ -53,8 +53,10 @@ class ModelEngine(WorkerEngine):
         self.model.share_cores(shared)
 
     def calibrate(self, max_tokens: int = 64, repeats: int = 5) -> None:
-        """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens (the
-        router's prior for adaptive speculation), on the batch threads and,
+        """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens, each
+        token with its logits (the router's prior for adaptive speculation:
+        the shape of its steps, where every drafted and verified token needs
+        its logits), on the batch threads and,
         when those are more, on the base threads alone (`decode_costs_shared`);
         leaves the sequences empty."""
         self.decode_costs = self._time_decodes(max_tokens, repeats)
@@ -72,7 +74,13 @@ class ModelEngine(WorkerEngine):
         """Each size keeps its fastest of `repeats` runs, taken in interleaved
         sweeps so that a passing disturbance (the other worker starting on
         the same cores) cannot spoil every run of one size, and a bigger
-        batch is never reported cheaper than a smaller one."""
+        batch is never reported cheaper than a smaller one.
+
+        Logits for every token: with the last token's only, the Q4_1 draft
+        was timed 14.1 ms for 2 tokens where a drafting round of 2 sessions
+        (2 logits) takes 19.8 (4: 26.2 vs 31.6 ms; an output row costs it
+        2.5-5 ms), and the router took drafting under load for cheaper than
+        it is. The F32 target's rows cost little (8 tokens: 46.8 vs 49.1 ms)."""
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
         sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
         toks = np.full(limit, self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)
@@ -80,7 +88,7 @@ class ModelEngine(WorkerEngine):
         for _ in range(repeats):
             for n in sizes:
                 t0 = time.perf_counter()
-                self.model.decode(0, 0, toks[:n], 1)
+                self.model.decode(0, 0, toks[:n], n)
                 best[n] = min(best[n], time.perf_counter() - t0)
                 self.model.seq_rm(0, -1, -1)
         costs = []

@@ -84,6 +84,27 @@ def test_model_info_carries_a_calibrated_cost_curve(target):
     assert "decode cost (tokens: ms): 1: " in target[3].log_path.read_text()
 
 
+def test_calibration_times_batches_with_every_tokens_logits(models):
+    """Drafting and verification want logits for every token, and an output
+    row is not free (the Q4_1 draft: 2 tokens 14 ms with one row, 20 with
+    two): the curve is timed in that shape."""
+    engine = TargetEngine(LlamaConfig(models["draft"], n_ctx_seq=64, n_seq=1, n_threads=1))
+    calls = []
+    decode = engine.model.decode
+
+    def recording(seq_id, pos, tokens, n_logits=1):
+        calls.append((len(tokens), n_logits))
+        return decode(seq_id, pos, tokens, n_logits)
+
+    engine.model.decode = recording
+    try:
+        engine.calibrate(max_tokens=8, repeats=2)
+    finally:
+        engine.model.close()
+    assert sorted(set(calls)) == [(1, 1), (2, 2), (4, 4), (8, 8)]
+    assert [n for n, _ in engine.decode_costs] == [1, 2, 4, 8]
+
+
 def test_decode_rm_add_follow_llama_semantics(target):
     w = target[0]
     toks = [1, 2, 3, 4, 5, 6, 7, 8]

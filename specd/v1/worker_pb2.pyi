@@ -108,7 +108,8 @@ class ModelInfo(_message.Message):
 
     @_builtins.property
     def decode_costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeCost]:
-        """Seconds of one llama_decode of n_tokens tokens, measured when the model
+        """Seconds of one llama_decode of n_tokens tokens, each with its logits
+        (the shape of drafting and verification), measured when the model
         loaded; the router's prior for adaptive speculation. Empty for a
         drafter without a model.
         """
