@@ -13,13 +13,24 @@ Aggregate tokens/s = generated tokens / wall time of the whole cell; each
 repetition rotates the order of the modes. The
 prompt cache is off so every mode processes every prompt. Greedy output of
 each request must be identical across modes.
+
+A mode is compared with target-only per repetition (the two cells ran
+back to back) and over repetitions by the geometric mean of those ratios
+with a bootstrap 90% interval. Next to it, what the target's own counters
+say of each cell: llama_decode calls per generated token (the schedule a
+mode made) and milliseconds per call (how fast the machine ran them). On
+this 2-core VM the second moves by 30% between cells of the same batches
+(36-48 ms for 8 single tokens), which is what the ratios' spread is made of.
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
+import random
 import statistics
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
@@ -56,6 +67,25 @@ def run_cell(address: str, prompts: list[str], concurrency: int, max_tokens: int
             "accepted": sum(c.n_accepted for c in outs), "tokens": [c.tokens for c in outs]}
 
 
+def target_counters(ports: list[int], host: str = "127.0.0.1") -> dict[str, float]:
+    """The target workers' llama_decode counters, summed: calls, sequences
+    over all calls, seconds spent in them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = {"specd_worker_decode_latency_seconds_count": "decodes",
+            "specd_worker_decode_latency_seconds_sum": "busy",
+            "specd_worker_decode_batch_sequences_sum": "sequences"}
+    out = dict.fromkeys(want.values(), 0.0)
+    for port in ports:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in want:
+                    out[want[sample.name]] += sample.value
+    return out
+
+
 def bench_load(args) -> dict:
     from specd.bench import load_prompts, resolve_draft, resolve_target, split_drafts
     from specd.launcher import Cluster, ClusterSpec
@@ -69,11 +99,12 @@ def bench_load(args) -> dict:
     spec = ClusterSpec(target_model=target_model, draft_model=draft_model, ngram=ngram,
                        target_threads=args.target_threads, target_threads_batch=args.target_threads_batch,
                        draft_threads=args.draft_threads,
-                       n_ctx=args.n_ctx, n_seq=max(levels), router_args=["--no-prompt-cache"])
+                       n_ctx=args.n_ctx, n_seq=max(levels), router_args=["--no-prompt-cache"], metrics=True)
     cells: dict[tuple[int, str], list[dict]] = {}
     mismatches = []
     bar = tqdm(total=len(levels) * len(MODES) * args.repeats, desc="specd bench (load)", unit="cell")
     with Cluster(spec) as cluster:
+        targets = [port for name, port in cluster.metrics_ports.items() if name.startswith("target")]
         for rep in range(args.repeats):
             for c in levels:
                 n_req = max(args.requests_per_session * c, args.min_requests)
@@ -83,7 +114,10 @@ def bench_load(args) -> dict:
                 # faster or slower for what ran before it (a fresh KV cache, the
                 # draft's leftover work), which must not favour one mode
                 for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
+                    before = target_counters(targets, spec.host)
                     cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
+                    after = target_counters(targets, spec.host)
+                    cell["target"] = {k: after[k] - before[k] for k in after}
                     cells.setdefault((c, mode), []).append(cell)
                     if ref is None:
                         ref = cell["tokens"]
@@ -100,6 +134,7 @@ def bench_load(args) -> dict:
             "tok_s_min": min(r["tok_s"] for r in runs), "tok_s_max": max(r["tok_s"] for r in runs),
             "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None,
             "drafted_per_token": drafted / max(sum(r["generated"] for r in runs), 1),
+            **target_figures(runs),
         })
     for r in rows:
         base = next(x for x in rows if x["concurrency"] == r["concurrency"] and x["mode"] == "target-only")
@@ -108,7 +143,9 @@ def bench_load(args) -> dict:
         r["vs_one_session"] = r["tok_s_median"] / one["tok_s_median"]
         paired = paired_ratios([x["tok_s"] for x in cells[(r["concurrency"], r["mode"])]],
                                [x["tok_s"] for x in cells[(r["concurrency"], "target-only")]])
-        r["vs_target_only_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired)}
+        mean, lo, hi = geomean_interval(paired)
+        r["vs_target_only_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired),
+                                      "geomean": mean, "ci90": [lo, hi]}
     return {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": {"target": args.target, "target_model": target_model, "draft": draft, "n_draft": n_draft,
@@ -131,17 +168,47 @@ def paired_ratios(mode_tok_s: list[float], base_tok_s: list[float]) -> list[floa
     return [m / b for m, b in zip(mode_tok_s, base_tok_s) if b > 0]
 
 
+def geomean_interval(ratios: list[float], level: float = 0.90, resamples: int = 10000,
+                     seed: int = 0) -> tuple[float, float, float]:
+    """Geometric mean of ratios and its bootstrap percentile interval
+    (deterministic: a fixed seed). Ratios multiply, so they are averaged as
+    logarithms: 0.8 and 1.25 average to 1."""
+    if not ratios:
+        return float("nan"), float("nan"), float("nan")
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(seed)
+    n = len(logs)
+    means = sorted(sum(rng.choice(logs) for _ in range(n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    lo, hi = means[int(tail * (resamples - 1))], means[int((1.0 - tail) * (resamples - 1))]
+    return math.exp(sum(logs) / n), math.exp(lo), math.exp(hi)
+
+
+def target_figures(runs: list[dict]) -> dict:
+    """Over a cell's repetitions: the target's llama_decode calls per
+    generated token, sequences per call, milliseconds per call and its share
+    of the wall time busy decoding."""
+    t = {k: sum(r["target"][k] for r in runs) for k in ("decodes", "sequences", "busy")}
+    gen, wall = sum(r["generated"] for r in runs), sum(r["wall"] for r in runs)
+    calls = max(t["decodes"], 1.0)
+    return {"target_decodes_per_token": t["decodes"] / max(gen, 1), "target_sequences_per_decode": t["sequences"] / calls,
+            "target_ms_per_decode": 1e3 * t["busy"] / calls, "target_busy_share": t["busy"] / wall if wall else 0.0}
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = ["| sessions | mode | aggregate tok/s median (min–max) | × target-only | × target-only per repetition: "
-             "median (min–max) | × one session | acceptance | drafts per token |",
-             "|---|---|---|---|---|---|---|---|"]
+             "geo-mean [90% CI] (min–max) | × one session | acceptance | drafts per token "
+             "| target decodes per token | sequences per decode | ms per target decode |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "–"
         p = r["vs_target_only_paired"]
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tok_s_median']:.1f} ({r['tok_s_min']:.1f}–{r['tok_s_max']:.1f}) "
-                     f"| {r['vs_target_only']:.2f} | {p['median']:.2f} ({p['min']:.2f}–{p['max']:.2f}) "
-                     f"| {r['vs_one_session']:.2f} | {acc} | {r['drafted_per_token']:.2f} |")
+                     f"| {r['vs_target_only']:.2f} | {p['geomean']:.2f} [{p['ci90'][0]:.2f}–{p['ci90'][1]:.2f}] "
+                     f"({p['min']:.2f}–{p['max']:.2f}) | {r['vs_one_session']:.2f} | {acc} | {r['drafted_per_token']:.2f} "
+                     f"| {r['target_decodes_per_token']:.3f} | {r['target_sequences_per_decode']:.2f} "
+                     f"| {r['target_ms_per_decode']:.1f} |")
     lines.append("")
     lines.append(f"Machine: {result['machine']['cpus']} CPUs. Target {os.path.basename(s['target_model'])} "
                  f"({s['target_threads']} threads, {s.get('target_threads_batch', s['target_threads'])} for batches), draft {s['draft']} ({s['draft_threads']} threads), fixed and "

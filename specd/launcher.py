@@ -120,10 +120,10 @@ class Cluster:
         self.metrics_ports[name] = free_port(self.spec.host)
         return ["--metrics-port", str(self.metrics_ports[name]), "--host", self.spec.host]
 
-    def _worker_args(self, role: str, threads: int) -> list[str]:
+    def _worker_args(self, role: str, threads: int, name: str = "") -> list[str]:
         s = self.spec
         return [role, "--host", s.host, "--port", "0", "--threads", str(threads), "--n-ctx", str(s.n_ctx),
-                "--n-seq", str(s.n_seq), *self._metrics_args(role), *s.worker_args]
+                "--n-seq", str(s.n_seq), *self._metrics_args(name or role), *s.worker_args]
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         s = self.spec
@@ -140,7 +140,7 @@ class Cluster:
                     # when it loads: not while the draft loads and times its own
                     wait_serving(draft_addr, deadline, list(self.procs.values()))
             for name in names:
-                self.procs[name] = Proc(name, [*self._worker_args("target", s.target_threads), "--model", s.target_model,
+                self.procs[name] = Proc(name, [*self._worker_args("target", s.target_threads, name), "--model", s.target_model,
                                          "--threads-batch", str(s.target_threads_batch)],
                                         self.workdir)
             target_addr = ",".join(f"{s.host}:{self.procs[n].wait_port(deadline)}" for n in names)

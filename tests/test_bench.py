@@ -45,7 +45,14 @@ def test_bench_load_smoke(tmp_path, models):
     fixed = next(r for r in result["rows"] if r["mode"] == "fixed" and r["concurrency"] == 1)
     assert fixed["acceptance"] is not None and fixed["tok_s_median"] > 0
     base = next(r for r in result["rows"] if r["mode"] == "target-only" and r["concurrency"] == 2)
-    assert base["vs_target_only_paired"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert base["vs_target_only_paired"] == {"median": 1.0, "min": 1.0, "max": 1.0, "geomean": 1.0, "ci90": [1.0, 1.0]}
+    # the target's own counters: target-only decodes about once per token
+    # (one more for the prompt), drafting verifies several tokens per decode
+    alone = next(r for r in result["rows"] if r["mode"] == "target-only" and r["concurrency"] == 1)
+    assert 0.9 <= alone["target_decodes_per_token"] <= 1.5, alone
+    assert fixed["target_decodes_per_token"] < 0.8 * alone["target_decodes_per_token"], fixed
+    assert alone["target_sequences_per_decode"] == 1.0 and base["target_sequences_per_decode"] > 1.0
+    assert all(r["target_ms_per_decode"] > 0 and 0 < r["target_busy_share"] <= 1 for r in result["rows"])
     assert "| 2 | adaptive |" in (out / "bench-load.md").read_text()
 
 
@@ -56,6 +63,20 @@ def test_paired_ratios_cancel_drift_between_repetitions():
     # together, and each repetition says the mode is 5% faster
     assert paired_ratios([105.0, 126.0], [100.0, 120.0]) == pytest.approx([1.05, 1.05])
     assert paired_ratios([1.0], [0.0]) == []
+
+
+def test_geomean_interval_averages_ratios_as_logarithms():
+    from specd.bench_load import geomean_interval
+
+    mean, lo, hi = geomean_interval([0.8, 1.25])
+    assert mean == pytest.approx(1.0) and lo == pytest.approx(0.8) and hi == pytest.approx(1.25)
+    assert geomean_interval([1.1] * 5) == pytest.approx((1.1, 1.1, 1.1))
+    noisy = [0.85, 1.12, 0.95, 1.07, 1.01, 0.92, 1.10, 0.98, 1.04]
+    mean, lo, hi = geomean_interval(noisy)
+    assert lo < mean < hi and hi - lo < max(noisy) - min(noisy)  # the mean is known better than one ratio
+    wide = geomean_interval(noisy[:3])
+    assert wide[2] - wide[1] > hi - lo  # fewer repetitions, wider interval
+    assert geomean_interval(noisy) == (mean, lo, hi)  # deterministic
 
 
 def test_drafts_list_keeps_ngram_chains_and_parameters():
