@@ -329,7 +329,20 @@ def add_parser(sub) -> None:
                         "fixed and adaptive draft length; uses the first of --drafts and --draft-lengths)")
     p.add_argument("--requests-per-session", type=int, default=2, help="load benchmark: requests each session sends")
     p.add_argument("--min-requests", type=int, default=8, help="load benchmark: at least this many requests per cell")
+    p.add_argument("--modes", type=_modes, default="target-only,fixed,adaptive",
+                   help="load benchmark: comma list of the modes to run (target-only always runs: the others "
+                        "are compared with it)")
     p.set_defaults(fn=main)
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    from specd.bench_load import MODES
+
+    asked = {m.strip() for m in text.split(",") if m.strip()}
+    unknown = asked - set(MODES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    return tuple(m for m in MODES if m in asked | {"target-only"})
 
 
 def main(args) -> int:

@@ -9,8 +9,8 @@ after the other; for each mode the same requests:
 - fixed: draft length n_draft every step (adaptive off);
 - adaptive: the router picks each step's draft length, n_draft the bound.
 
-Aggregate tokens/s = generated tokens / wall time of the whole cell; each
-repetition rotates the order of the modes. The
+Aggregate tokens/s = generated tokens / wall time of the whole cell; the
+repetitions go through every order of the modes in turn. The
 prompt cache is off so every mode processes every prompt. Greedy output of
 each request must be identical across modes.
 
@@ -24,6 +24,7 @@ this 2-core VM the second moves by 30% between cells of the same batches
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -91,6 +92,7 @@ def bench_load(args) -> dict:
     from specd.launcher import Cluster, ClusterSpec
 
     levels = [int(x) for x in args.concurrency.split(",")]
+    modes = tuple(getattr(args, "modes", MODES))
     draft = split_drafts(args.drafts)[0]
     n_draft = int(args.draft_lengths.split(",")[0]) if args.draft_lengths else 4
     target_model = resolve_target(args.target)
@@ -102,7 +104,7 @@ def bench_load(args) -> dict:
                        n_ctx=args.n_ctx, n_seq=max(levels), router_args=["--no-prompt-cache"], metrics=True)
     cells: dict[tuple[int, str], list[dict]] = {}
     mismatches = []
-    bar = tqdm(total=len(levels) * len(MODES) * args.repeats, desc="specd bench (load)", unit="cell")
+    bar = tqdm(total=len(levels) * len(modes) * args.repeats, desc="specd bench (load)", unit="cell")
     with Cluster(spec) as cluster:
         targets = [port for name, port in cluster.metrics_ports.items() if name.startswith("target")]
         for rep in range(args.repeats):
@@ -110,10 +112,7 @@ def bench_load(args) -> dict:
                 n_req = max(args.requests_per_session * c, args.min_requests)
                 prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
                 ref = None
-                # each repetition starts with another mode: a cell runs measurably
-                # faster or slower for what ran before it (a fresh KV cache, the
-                # draft's leftover work), which must not favour one mode
-                for mode in MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]:
+                for mode in mode_order(modes, rep):
                     before = target_counters(targets, spec.host)
                     cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
                     after = target_counters(targets, spec.host)
@@ -134,6 +133,7 @@ def bench_load(args) -> dict:
             "tok_s_min": min(r["tok_s"] for r in runs), "tok_s_max": max(r["tok_s"] for r in runs),
             "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None,
             "drafted_per_token": drafted / max(sum(r["generated"] for r in runs), 1),
+            "tok_s_runs": [r["tok_s"] for r in runs],
             **target_figures(runs),
         })
     for r in rows:
@@ -149,7 +149,7 @@ def bench_load(args) -> dict:
     return {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "settings": {"target": args.target, "target_model": target_model, "draft": draft, "n_draft": n_draft,
-                     "concurrency": levels, "workload": args.workload, "max_tokens": args.max_tokens,
+                     "concurrency": levels, "modes": list(modes), "workload": args.workload, "max_tokens": args.max_tokens,
                      "requests_per_session": args.requests_per_session, "min_requests": args.min_requests,
                      "repeats": args.repeats, "target_threads": args.target_threads,
                      "target_threads_batch": args.target_threads_batch,
@@ -158,6 +158,17 @@ def bench_load(args) -> dict:
         "rows": sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["mode"]))),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def mode_order(modes: tuple[str, ...], rep: int) -> tuple[str, ...]:
+    """The order of the modes in repetition `rep`: every permutation in
+    turn, so over a multiple of their number (6 for three modes) each mode
+    runs as often in each place and after each other mode. A cell runs
+    faster or slower for what ran before it (a fresh KV cache, the draft's
+    leftover work); rotating one order left adaptive always right after
+    fixed and target-only after adaptive."""
+    orders = list(itertools.permutations(modes))
+    return orders[rep % len(orders)]
 
 
 def paired_ratios(mode_tok_s: list[float], base_tok_s: list[float]) -> list[float]:

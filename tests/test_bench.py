@@ -65,6 +65,27 @@ def test_paired_ratios_cancel_drift_between_repetitions():
     assert paired_ratios([1.0], [0.0]) == []
 
 
+def test_mode_orders_balance_place_and_predecessor():
+    import collections
+
+    from specd.bench_load import MODES, mode_order
+
+    orders = [mode_order(MODES, rep) for rep in range(6)]
+    assert all(sorted(o) == sorted(MODES) for o in orders)
+    places = collections.Counter((m, o.index(m)) for o in orders for m in o)
+    assert set(places.values()) == {2}  # each mode twice in each place
+    after = collections.Counter(pair for o in orders for pair in zip(o, o[1:]))
+    assert set(after.values()) == {2} and len(after) == 6  # each mode twice right after each other
+    assert mode_order(MODES, 6) == mode_order(MODES, 0)
+    assert mode_order(("target-only", "adaptive"), 1) == ("adaptive", "target-only")
+
+
+def test_bench_modes_flag_names_a_bad_mode():
+    proc = subprocess.run([sys.executable, "-m", "specd", "bench", "--concurrency", "1", "--modes", "adaptive,turbo"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--modes" in proc.stderr and "turbo" in proc.stderr, proc.stderr
+
+
 def test_geomean_interval_averages_ratios_as_logarithms():
     from specd.bench_load import geomean_interval
 
