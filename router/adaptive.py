@@ -155,12 +155,14 @@ def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
 def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draft: CostCurve,
                       hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
                       lag: int = 0, remaining: int = 0, verify_tokens: int | None = None,
-                      target_shared: CostCurve | None = None) -> float:
+                      target_shared: CostCurve | None = None, catch_up: CostCurve | None = None) -> float:
     """T(k) plus this step's share of catching a lagging draft up (e: the
-    tokens a step is expected to yield)."""
+    tokens a step is expected to yield), priced on `catch_up` (the draft's
+    curve with the last token's logits only) when given: a catch-up wants
+    one row of logits, where `draft` prices a drafting round's row each."""
     t = round_seconds(k, n_sessions, target, draft, hidden, overlap, n_drafting, verify_tokens, target_shared)
     if k > 0 and lag > 0:
-        t += draft(lag) / max(remaining / e, 1.0)
+        t += (catch_up if catch_up else draft)(lag) / max(remaining / e, 1.0)
     return t
 
 
@@ -168,7 +170,7 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
                         hidden: float = 0.0, overlap: bool = False, margin: float = 0.10,
                         n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
                         extra_plain: float = 0.0, extra_drafting: float = 0.0,
-                        target_shared: CostCurve | None = None) -> int:
+                        target_shared: CostCurve | None = None, catch_up: CostCurve | None = None) -> int:
     """The k in [0, n_max] with the most expected tokens per second of a
     round; speculation must beat target-only by `margin` to be chosen. A
     draft `lag` tokens behind must decode them first: that one decode is
@@ -182,7 +184,7 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
     for k in range(1, n_max + 1):
         e = expected_tokens(a, k)
         cost = predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining,
-                                 target_shared=target_shared)
+                                 target_shared=target_shared, catch_up=catch_up)
         rate = e / max(cost + extra_drafting, 1e-9)
         if rate > best:
             best_k, best = k, rate
@@ -283,6 +285,7 @@ class Controller:
     target: CostCurve = field(default_factory=CostCurve)
     draft: CostCurve = field(default_factory=CostCurve)
     target_shared: CostCurve = field(default_factory=CostCurve)  # empty: as `target`
+    draft_prompt: CostCurve = field(default_factory=CostCurve)  # a catch-up's price; empty: as `draft`
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     # how much drafting must be predicted to beat target-only by: with recent
@@ -314,7 +317,7 @@ class Controller:
                                    margin=w * self.margin + (1.0 - w) * self.untried_margin,
                                    n_drafting=n_drafting, lag=lag, remaining=remaining,
                                    extra_plain=extra_plain, extra_drafting=extra_drafting,
-                                   target_shared=self.target_shared)
+                                   target_shared=self.target_shared, catch_up=self.draft_prompt)
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
@@ -325,7 +328,7 @@ class Controller:
         are not taken for overhead."""
         e = expected_tokens(1.0 if acc is None else acc.rate, k)
         return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag,
-                                 remaining, verify_tokens, self.target_shared)
+                                 remaining, verify_tokens, self.target_shared, self.draft_prompt)
 
     def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
         """After every step (n_drafted 0 when it did not draft)."""

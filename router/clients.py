@@ -66,6 +66,7 @@ def _model_info(i: pb.ModelInfo) -> ModelInfo:
         decode_costs=tuple((c.n_tokens, c.seconds) for c in i.decode_costs),
         n_threads_batch=i.n_threads_batch or i.n_threads,
         decode_costs_shared=tuple((c.n_tokens, c.seconds) for c in i.decode_costs_shared),
+        prompt_costs=tuple((c.n_tokens, c.seconds) for c in i.prompt_costs),
     )
 
 

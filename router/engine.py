@@ -343,6 +343,7 @@ class Router:
         self.draft_info = info
         self.pool.forget_draft()
         self.controller.draft = CostCurve(info.decode_costs)
+        self.controller.draft_prompt = CostCurve(info.prompt_costs)
         self.n_ctx = min(self.target_info.n_ctx_seq, info.n_ctx_seq)
         self.pool.capacity = min(self.pool.capacity, info.n_seq)
         self.pool.free = [i for i in self.pool.free if i < info.n_seq]

@@ -53,6 +53,8 @@ class ModelInfo:
     n_threads_batch: int = 0  # 0: n_threads
     # decode_costs on n_threads alone (the draft computing meanwhile); () when the same
     decode_costs_shared: tuple[tuple[int, float], ...] = ()
+    # as decode_costs with the last token's logits only (a prompt, a catch-up)
+    prompt_costs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

@@ -26,6 +26,7 @@ class ModelEngine(WorkerEngine):
         self._fingerprint = self.model.vocab_fingerprint()
         self.decode_costs: tuple[tuple[int, float], ...] = ()
         self.decode_costs_shared: tuple[tuple[int, float], ...] = ()
+        self.prompt_costs: tuple[tuple[int, float], ...] = ()
 
     def info(self) -> ModelInfo:
         m = self.model
@@ -47,6 +48,7 @@ class ModelEngine(WorkerEngine):
             model_path=self.config.model_path,
             decode_costs=self.decode_costs,
             decode_costs_shared=self.decode_costs_shared,
+            prompt_costs=self.prompt_costs,
         )
 
     def share_cores(self, shared: bool) -> None:
@@ -58,9 +60,13 @@ class ModelEngine(WorkerEngine):
         the shape of its steps, where every drafted and verified token needs
         its logits), on the batch threads and,
         when those are more, on the base threads alone (`decode_costs_shared`);
-        leaves the sequences empty."""
+        and with the last token's logits only (`prompt_costs`: what a draft
+        catching up on missed tokens pays). Leaves the sequences empty."""
         self.decode_costs = self._time_decodes(max_tokens, repeats)
         log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs))
+        self.prompt_costs = self._time_decodes(max_tokens, repeats, all_logits=False)
+        log.info("prompt cost, last token's logits (tokens: ms): %s",
+                 ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.prompt_costs))
         if self.model.threads[1] != self.model.threads[0]:
             self.share_cores(True)
             try:
@@ -70,17 +76,20 @@ class ModelEngine(WorkerEngine):
             log.info("decode cost on %d threads (tokens: ms): %s", self.model.threads[0],
                      ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs_shared))
 
-    def _time_decodes(self, max_tokens: int, repeats: int) -> tuple[tuple[int, float], ...]:
+    def _time_decodes(self, max_tokens: int, repeats: int, all_logits: bool = True) -> tuple[tuple[int, float], ...]:
         """Each size keeps its fastest of `repeats` runs, taken in interleaved
         sweeps so that a passing disturbance (the other worker starting on
         the same cores) cannot spoil every run of one size, and a bigger
         batch is never reported cheaper than a smaller one.
 
-        Logits for every token: with the last token's only, the Q4_1 draft
-        was timed 14.1 ms for 2 tokens where a drafting round of 2 sessions
+        The two shapes differ: with the last token's logits only the Q4_1
+        draft takes 14.1 ms for 2 tokens where a drafting round of 2 sessions
         (2 logits) takes 19.8 (4: 26.2 vs 31.6 ms; an output row costs it
-        2.5-5 ms), and the router took drafting under load for cheaper than
-        it is. The F32 target's rows cost little (8 tokens: 46.8 vs 49.1 ms)."""
+        2.5-5 ms). Priced with the first, drafting under load looked cheaper
+        than it is; with the second, a draft's catch-up on a prompt looked
+        so dear that one session drafted 0.32 tokens per token, not 0.70
+        (1.15x target-only instead of 1.5x). The F32 target's rows cost
+        little (8 tokens: 46.8 vs 49.1 ms)."""
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
         sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
         toks = np.full(limit, self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)
@@ -88,7 +97,7 @@ class ModelEngine(WorkerEngine):
         for _ in range(repeats):
             for n in sizes:
                 t0 = time.perf_counter()
-                self.model.decode(0, 0, toks[:n], n)
+                self.model.decode(0, 0, toks[:n], n if all_logits else 1)
                 best[n] = min(best[n], time.perf_counter() - t0)
                 self.model.seq_rm(0, -1, -1)
         costs = []

@@ -40,6 +40,7 @@ def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
         decode_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs],
         n_threads_batch=i.n_threads_batch or i.n_threads,
         decode_costs_shared=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs_shared],
+        prompt_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.prompt_costs],
     )
 
 

@@ -348,3 +348,19 @@ def test_plain_batches_slower_than_modelled_are_not_taken_for_overhead():
     for _ in range(30):
         c.observe_time(7, False, c.predict(a, 0, *load), 0.063, batch_tokens=7, batch_seconds=0.058)
     assert c.slowdown(7).plain == pytest.approx(0.005)
+
+
+def test_a_drafts_catch_up_is_priced_with_one_row_of_logits():
+    """Catching up on a prompt wants the last token's logits; a drafting
+    round wants every token's. Priced on the drafting curve, where an
+    output row costs the Q4_1 draft 2.5-5 ms, a 32-token catch-up looked so
+    dear that one session drafted 0.32 tokens per token instead of 0.70."""
+    target = CostCurve([(1, 0.016), (2, 0.022), (4, 0.030), (8, 0.047), (16, 0.080), (32, 0.150)])
+    rows = CostCurve([(1, 0.007), (2, 0.019), (4, 0.035), (8, 0.054), (16, 0.110), (32, 0.600)])
+    prompt = CostCurve([(1, 0.007), (2, 0.014), (4, 0.026), (8, 0.044), (16, 0.060), (32, 0.090)])
+    step = dict(acc=None, n_max=4, n_sessions=1, hidden=1.0, overlap=True, n_drafting=1, lag=32, remaining=64)
+    priced_by_rows = Controller(target=target, draft=rows)
+    assert priced_by_rows.choose(**step) == 0
+    assert Controller(target=target, draft=rows, draft_prompt=prompt).choose(**step) == 4
+    # the catch-up is the only difference: with nothing to catch up both draft
+    assert priced_by_rows.choose(**{**step, "lag": 0}) == 4

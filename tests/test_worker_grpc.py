@@ -82,12 +82,15 @@ def test_model_info_carries_a_calibrated_cost_curve(target):
     assert seconds[0] > 0 and seconds == sorted(seconds)  # never cheaper for a bigger batch
     assert seconds[-1] > 2 * seconds[0]  # 64 tokens cost more than one on any CPU
     assert "decode cost (tokens: ms): 1: " in target[3].log_path.read_text()
+    prompts = [c.n_tokens for c in target[0].GetModelInfo(pb.GetModelInfoRequest()).prompt_costs]
+    assert prompts == [1, 2, 4, 8, 16, 32, 64]
 
 
-def test_calibration_times_batches_with_every_tokens_logits(models):
+def test_calibration_times_steps_with_every_tokens_logits_and_prompts_with_one(models):
     """Drafting and verification want logits for every token, and an output
     row is not free (the Q4_1 draft: 2 tokens 14 ms with one row, 20 with
-    two): the curve is timed in that shape."""
+    two): decode_costs is timed in that shape, prompt_costs (a prompt, a
+    draft's catch-up) with the last token's logits."""
     engine = TargetEngine(LlamaConfig(models["draft"], n_ctx_seq=64, n_seq=1, n_threads=1))
     calls = []
     decode = engine.model.decode
@@ -99,10 +102,12 @@ def test_calibration_times_batches_with_every_tokens_logits(models):
     engine.model.decode = recording
     try:
         engine.calibrate(max_tokens=8, repeats=2)
+        info = engine.info()
     finally:
         engine.model.close()
-    assert sorted(set(calls)) == [(1, 1), (2, 2), (4, 4), (8, 8)]
-    assert [n for n, _ in engine.decode_costs] == [1, 2, 4, 8]
+    assert sorted(set(calls)) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 4), (8, 1), (8, 8)]
+    assert [n for n, _ in engine.decode_costs] == [n for n, _ in engine.prompt_costs] == [1, 2, 4, 8]
+    assert info.prompt_costs == engine.prompt_costs and info.decode_costs == engine.decode_costs
 
 
 def test_decode_rm_add_follow_llama_semantics(target):

@@ -68,6 +68,7 @@ class ModelInfo(_message.Message):
     DECODE_COSTS_FIELD_NUMBER: _builtins.int
     N_THREADS_BATCH_FIELD_NUMBER: _builtins.int
     DECODE_COSTS_SHARED_FIELD_NUMBER: _builtins.int
+    PROMPT_COSTS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"model" for a llama.cpp model, "ngram" for a model-free drafter."""
     description: _builtins.str
@@ -121,6 +122,12 @@ class ModelInfo(_message.Message):
         n_threads_batch equals n_threads.
         """
 
+    @_builtins.property
+    def prompt_costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeCost]:
+        """As decode_costs, with the last token's logits only: a prompt, or a
+        draft catching up on tokens it missed.
+        """
+
     def __init__(
         self,
         *,
@@ -141,10 +148,11 @@ class ModelInfo(_message.Message):
         decode_costs: _abc.Iterable[Global___DecodeCost] | None = ...,
         n_threads_batch: _builtins.int = ...,
         decode_costs_shared: _abc.Iterable[Global___DecodeCost] | None = ...,
+        prompt_costs: _abc.Iterable[Global___DecodeCost] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "prompt_costs", b"prompt_costs", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
