@@ -65,6 +65,8 @@ class _ProposeMixin:
 class DraftModelEngine(_ProposeMixin, ModelEngine):
     """Greedy drafting with a small llama.cpp model (common_speculative_draft)."""
 
+    time_prompts = True
+
     def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> Steps:
         """Propose as steps: each draft token is one decode, shared with the
         other sequences drafting at the same time."""

@@ -16,6 +16,9 @@ log = logging.getLogger("specd.engine")
 
 class ModelEngine(WorkerEngine):
     kind = "model"
+    # time prompts too (`prompt_costs`): the router prices a draft's catch-up
+    # on them; a target's prompts it never prices, and every start pays it
+    time_prompts = False
 
     def __init__(self, config: LlamaConfig, max_checkpoint_bytes: int = 1 << 30):
         self.model = LlamaModel(config)
@@ -60,13 +63,15 @@ class ModelEngine(WorkerEngine):
         the shape of its steps, where every drafted and verified token needs
         its logits), on the batch threads and,
         when those are more, on the base threads alone (`decode_costs_shared`);
-        and with the last token's logits only (`prompt_costs`: what a draft
-        catching up on missed tokens pays). Leaves the sequences empty."""
+        and, for a draft (`time_prompts`), with the last token's logits only
+        (`prompt_costs`: what catching up on missed tokens pays). Leaves the
+        sequences empty."""
         self.decode_costs = self._time_decodes(max_tokens, repeats)
         log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs))
-        self.prompt_costs = self._time_decodes(max_tokens, repeats, all_logits=False)
-        log.info("prompt cost, last token's logits (tokens: ms): %s",
-                 ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.prompt_costs))
+        if self.time_prompts:
+            self.prompt_costs = self._time_decodes(max_tokens, repeats, all_logits=False)
+            log.info("prompt cost, last token's logits (tokens: ms): %s",
+                     ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.prompt_costs))
         if self.model.threads[1] != self.model.threads[0]:
             self.share_cores(True)
             try:

@@ -125,7 +125,7 @@ class ModelInfo(_message.Message):
     @_builtins.property
     def prompt_costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeCost]:
         """As decode_costs, with the last token's logits only: a prompt, or a
-        draft catching up on tokens it missed.
+        draft catching up on tokens it missed. Timed by draft workers only.
         """
 
     def __init__(
