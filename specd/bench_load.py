@@ -20,7 +20,8 @@ with a bootstrap 90% interval. Next to it, what the target's own counters
 say of each cell: llama_decode calls per generated token (the schedule a
 mode made) and milliseconds per call (how fast the machine ran them). On
 this 2-core VM the second moves by 30% between cells of the same batches
-(36-48 ms for 8 single tokens), which is what the ratios' spread is made of.
+(8 sessions, 7.3-7.4 sequences per call: 36-48 ms a call), which is what
+the ratios' spread is made of.
 """
 from __future__ import annotations
 

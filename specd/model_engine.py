@@ -91,10 +91,9 @@ class ModelEngine(WorkerEngine):
         draft takes 14.1 ms for 2 tokens where a drafting round of 2 sessions
         (2 logits) takes 19.8 (4: 26.2 vs 31.6 ms; an output row costs it
         2.5-5 ms). Priced with the first, drafting under load looked cheaper
-        than it is; with the second, a draft's catch-up on a prompt looked
-        so dear that one session drafted 0.32 tokens per token, not 0.70
-        (1.15x target-only instead of 1.5x). The F32 target's rows cost
-        little (8 tokens: 46.8 vs 49.1 ms)."""
+        than it is; with the second, a catch-up on a 32-token prompt would
+        be priced with 31 rows of logits it does not compute. The F32
+        target's rows cost little (8 tokens: 46.8 vs 49.1 ms)."""
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
         sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
         toks = np.full(limit, self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)

@@ -353,8 +353,8 @@ def test_plain_batches_slower_than_modelled_are_not_taken_for_overhead():
 def test_a_drafts_catch_up_is_priced_with_one_row_of_logits():
     """Catching up on a prompt wants the last token's logits; a drafting
     round wants every token's. Priced on the drafting curve, where an
-    output row costs the Q4_1 draft 2.5-5 ms, a 32-token catch-up looked so
-    dear that one session drafted 0.32 tokens per token instead of 0.70."""
+    output row costs the Q4_1 draft 2.5-5 ms, a 32-token catch-up is priced
+    with 31 rows it does not compute, enough here to stop drafting."""
     target = CostCurve([(1, 0.016), (2, 0.022), (4, 0.030), (8, 0.047), (16, 0.080), (32, 0.150)])
     rows = CostCurve([(1, 0.007), (2, 0.019), (4, 0.035), (8, 0.054), (16, 0.110), (32, 0.600)])
     prompt = CostCurve([(1, 0.007), (2, 0.014), (4, 0.026), (8, 0.044), (16, 0.060), (32, 0.090)])
