@@ -177,7 +177,7 @@ def test_controller_learns_that_drafting_is_slower_than_modelled_and_tries_again
     load = (2, 0.0, True, 2)  # 2 sessions on the target, no overlap hit yet, overlap on, 2 on the draft
     assert c.choose(a, 4, *load) > 0 and c.choose(b, 4, *load) > 0  # the model says drafting pays
     # drafting steps took 4 times what the model said; plain steps as predicted
-    for _ in range(4):
+    for _ in range(6):
         c.observe_time(2, True, c.predict(a, 4, *load), 4 * c.predict(a, 4, *load))
     for _ in range(5):
         c.observe_time(2, False, c.predict(a, 0, *load), c.predict(a, 0, *load))
@@ -364,3 +364,29 @@ def test_a_drafts_catch_up_is_priced_with_one_row_of_logits():
     assert Controller(target=target, draft=rows, draft_prompt=prompt).choose(**step) == 4
     # the catch-up is the only difference: with nothing to catch up both draft
     assert priced_by_rows.choose(**{**step, "lag": 0}) == 4
+
+
+def test_one_slow_drafting_step_on_fresh_evidence_does_not_stop_drafting():
+    # a minute without drafting at one session: the first drafting step took
+    # 44 ms beyond the model (threads and caches cold). As the only figure
+    # at that level it ruled, and drafting stopped for 9 s where it gave 1.7x
+    now = [100.0]
+    c = controller_here(lambda: now[0])
+    a = c.new_session()
+    load = (1, 0.0, True, 1)
+    assert c.choose(a, 4, *load) > 0
+    c.observe_step(a, 4, 4)
+    c.observe_time(1, True, c.predict(a, 4, *load), c.predict(a, 4, *load) + 0.044)
+    assert c.choose(a, 4, *load) > 0
+    # the next steps are as modelled: the slow one fades into the median
+    for _ in range(3):
+        c.observe_step(a, 4, 4)
+        c.observe_time(1, True, c.predict(a, 4, *load), c.predict(a, 4, *load) + 0.002)
+    assert c.slowdown(1).extras(now[0])[1] < 0.005 and c.choose(a, 4, *load) > 0
+    # the same slowness step after step is believed: here it costs more than drafting gains
+    b = c.new_session()
+    now[0] += 300  # what drafting showed has faded
+    for _ in range(3):
+        c.observe_step(b, 4, 4)
+        c.observe_time(1, True, c.predict(b, 4, *load), c.predict(b, 4, *load) + 0.044)
+    assert c.choose(b, 4, *load) == 0
