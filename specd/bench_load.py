@@ -112,7 +112,7 @@ def bench_load(args) -> dict:
             for c in levels:
                 n_req = max(args.requests_per_session * c, args.min_requests)
                 prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
-                ref = None
+                ref = ref_mode = None
                 for mode in mode_order(modes, rep):
                     before = target_counters(targets, spec.host)
                     cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
@@ -120,9 +120,13 @@ def bench_load(args) -> dict:
                     cell["target"] = {k: after[k] - before[k] for k in after}
                     cells.setdefault((c, mode), []).append(cell)
                     if ref is None:
-                        ref = cell["tokens"]
+                        ref, ref_mode = cell["tokens"], mode
                     elif cell["tokens"] != ref:
-                        mismatches.append((rep, c, mode))
+                        request, position = first_difference(ref, cell["tokens"])
+                        mismatches.append({"repetition": rep, "sessions": c, "mode": mode, "against": ref_mode,
+                                           "request": request, "position": position,
+                                           "expected": ref[request][position:position + 4],
+                                           "got": cell["tokens"][request][position:position + 4]})
                     bar.update(1)
                     bar.set_postfix_str(f"C={c} {mode}: {cell['tok_s']:.1f} tok/s")
     bar.close()
@@ -159,6 +163,15 @@ def bench_load(args) -> dict:
         "rows": sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["mode"]))),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def first_difference(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:
+    """(request, token position) where two cells' greedy outputs first
+    differ; a missing or extra token counts as a difference at its place."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(len(ref), len(got)), 0
 
 
 def mode_order(modes: tuple[str, ...], rep: int) -> tuple[str, ...]:
@@ -228,4 +241,8 @@ def markdown(result: dict) -> str:
                  f"request, {s['requests_per_session']} requests per session (at least {s['min_requests']} per cell), "
                  f"greedy, prompt cache off, {s['repeats']} repetitions. Greedy output mismatches across modes: "
                  f"{len(result['greedy_output_mismatches'])}.")
+    for m in result["greedy_output_mismatches"]:
+        lines.append(f"- repetition {m['repetition']}, {m['sessions']} sessions: {m['mode']} differs from "
+                     f"{m['against']} at request {m['request']}, token {m['position']} "
+                     f"(expected {m['expected']}, got {m['got']})")
     return "\n".join(lines) + "\n"

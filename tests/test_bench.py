@@ -106,3 +106,11 @@ def test_drafts_list_keeps_ngram_chains_and_parameters():
     drafts = split_drafts("q4_1, ngram:map-k:size-n=3:size-m=16,cache ,q2_k,ngram:mod")
     assert drafts == ["q4_1", "ngram:map-k:size-n=3:size-m=16,cache", "q2_k", "ngram:mod"]
     assert resolve_draft(drafts[1]) == ("", "map-k:size-n=3:size-m=16,cache")
+
+
+def test_first_difference_names_the_request_and_the_token():
+    from specd.bench_load import first_difference
+
+    assert first_difference([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == (1, 1)
+    assert first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)  # ended early
+    assert first_difference([[1], [2]], [[1]]) == (1, 0)  # a request missing
