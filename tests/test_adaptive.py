@@ -232,6 +232,15 @@ def test_recent_peak_rises_at_once_and_falls_by_half_lives():
     assert p.load(5, 10.2) == 5
 
 
+def test_recent_peak_outlasts_a_lull_and_lets_a_lone_session_draft_soon_after_a_wave():
+    # with 2 s half-lives a lone session after a wave of 16 counted as 9 and
+    # more for most of a benchmark cell, and did not draft
+    p = RecentPeak()
+    assert p.load(16, 0.0) == 16
+    assert p.load(1, 0.1) >= 13  # the gap between a client's requests: still loaded
+    assert p.load(1, 2.1) == 1  # two seconds after the wave: alone
+
+
 def test_other_sessions_prompts_in_the_batch_are_not_taken_for_overhead():
     # a wave of 16 new sessions: their prompts share the verify batches (376
     # tokens, ~1 s); judged against 16 single tokens (50 ms) that second would
