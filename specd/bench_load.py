@@ -7,7 +7,10 @@ after the other; for each mode the same requests:
 
 - target-only: speculation off;
 - fixed: draft length n_draft every step (adaptive off);
-- adaptive: the router picks each step's draft length, n_draft the bound.
+- adaptive: the router picks each step's draft length, n_draft the bound;
+- target-only-again (only when asked): a second target-only cell, compared
+  with the first like any mode: the spread of that ratio is the noise floor
+  of the run, what a mode identical to target-only would show.
 
 Aggregate tokens/s = generated tokens / wall time of the whole cell; the
 repetitions go through every order of the modes in turn. The
@@ -37,11 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-MODES = ("target-only", "fixed", "adaptive")
+MODES = ("target-only", "fixed", "adaptive")  # the default
+NULL_MODE = "target-only-again"
+KNOWN_MODES = (*MODES, NULL_MODE)
 
 
 def _mode_kwargs(mode: str, n_draft: int) -> dict:
-    if mode == "target-only":
+    if mode in ("target-only", NULL_MODE):
         return {"speculative": False}
     return {"speculative": True, "n_draft": n_draft, "adaptive": mode == "adaptive"}
 
@@ -141,6 +146,7 @@ def bench_load(args) -> dict:
             "tok_s_runs": [r["tok_s"] for r in runs],
             **target_figures(runs),
         })
+    tok_s = {key: [x["tok_s"] for x in runs] for key, runs in cells.items()}
     for r in rows:
         base = next(x for x in rows if x["concurrency"] == r["concurrency"] and x["mode"] == "target-only")
         one = next(x for x in rows if x["concurrency"] == levels[0] and x["mode"] == r["mode"])
@@ -160,7 +166,8 @@ def bench_load(args) -> dict:
                      "target_threads_batch": args.target_threads_batch,
                      "draft_threads": args.draft_threads, "greedy": True, "prompt_cache": False},
         "greedy_output_mismatches": mismatches,
-        "rows": sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["mode"]))),
+        "rows": sorted(rows, key=lambda r: (r["concurrency"], KNOWN_MODES.index(r["mode"]))),
+        "pooled_under_load": {m: pooled_under_load(tok_s, levels, m) for m in modes if m != "target-only"},
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -191,6 +198,17 @@ def paired_ratios(mode_tok_s: list[float], base_tok_s: list[float]) -> list[floa
     run (here whole cells vary by 15%: the VM, the machine's other work)
     cancels in the ratio, where medians taken apart keep it."""
     return [m / b for m, b in zip(mode_tok_s, base_tok_s) if b > 0]
+
+
+def pooled_under_load(tok_s: dict[tuple[int, str], list[float]], levels: list[int], mode: str) -> dict:
+    """A mode's paired ratios to target-only at every load above the first,
+    pooled: {"pairs", "geomean", "ci90"}. Where a mode does what
+    target-only does (adaptive once drafting cannot pay), one load's few
+    repetitions say little; all of them together narrow the interval."""
+    ratios = [r for c in levels[1:] if (c, mode) in tok_s
+              for r in paired_ratios(tok_s[(c, mode)], tok_s[(c, "target-only")])]
+    mean, lo, hi = geomean_interval(ratios)
+    return {"pairs": len(ratios), "geomean": mean, "ci90": [lo, hi]}
 
 
 def geomean_interval(ratios: list[float], level: float = 0.90, resamples: int = 10000,
@@ -241,6 +259,13 @@ def markdown(result: dict) -> str:
                  f"request, {s['requests_per_session']} requests per session (at least {s['min_requests']} per cell), "
                  f"greedy, prompt cache off, {s['repeats']} repetitions. Greedy output mismatches across modes: "
                  f"{len(result['greedy_output_mismatches'])}.")
+    pooled = result.get("pooled_under_load", {})
+    levels = s["concurrency"]
+    if pooled and len(levels) > 1:
+        lines.append("")
+        lines.append(f"× target-only per repetition, pooled over {levels[1]}–{levels[-1]} sessions: " + "; ".join(
+            f"{m} {p['geomean']:.3f} [{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}] ({p['pairs']} pairs)"
+            for m, p in pooled.items()) + ".")
     for m in result["greedy_output_mismatches"]:
         lines.append(f"- repetition {m['repetition']}, {m['sessions']} sessions: {m['mode']} differs from "
                      f"{m['against']} at request {m['request']}, token {m['position']} "

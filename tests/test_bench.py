@@ -114,3 +114,26 @@ def test_first_difference_names_the_request_and_the_token():
     assert first_difference([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == (1, 1)
     assert first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)  # ended early
     assert first_difference([[1], [2]], [[1]]) == (1, 0)  # a request missing
+
+
+def test_pooled_under_load_takes_every_load_above_the_first_and_narrows_the_interval():
+    from specd.bench_load import geomean_interval, pooled_under_load
+
+    tok_s = {(1, "target-only"): [40.0, 40.0], (1, "adaptive"): [60.0, 60.0],  # one session: not pooled
+             (2, "target-only"): [70.0, 80.0], (2, "adaptive"): [77.0, 72.0],
+             (4, "target-only"): [100.0, 120.0], (4, "adaptive"): [95.0, 126.0]}
+    p = pooled_under_load(tok_s, [1, 2, 4], "adaptive")
+    ratios = [1.1, 0.9, 0.95, 1.05]
+    assert p["pairs"] == 4
+    assert p["geomean"] == pytest.approx(geomean_interval(ratios)[0])
+    assert p["ci90"] == pytest.approx(list(geomean_interval(ratios)[1:]))
+    one_load = geomean_interval(ratios[:2])
+    assert p["ci90"][1] - p["ci90"][0] < one_load[2] - one_load[1]
+    assert pooled_under_load(tok_s, [1, 2, 4], "fixed")["pairs"] == 0  # a mode that did not run
+
+
+def test_bench_modes_flag_takes_the_noise_floor_mode():
+    from specd.bench import _modes
+
+    assert _modes("adaptive,target-only-again") == ("target-only", "adaptive", "target-only-again")
+    assert _modes("fixed") == ("target-only", "fixed")
