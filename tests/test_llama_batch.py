@@ -67,3 +67,46 @@ def test_batch_threads_change_speed_not_numbers(models):
             m.close()
     for one, two in zip(*logits):
         assert np.array_equal(one, two)
+
+
+def test_a_free_id_between_sequences_is_filled_for_the_pass_and_left_empty(model):
+    """Sequences 0, 1 and 3 decode one token each while 2 holds nothing:
+    with a KV stream per sequence llama.cpp would run ids 0-1 and 3 as two
+    passes, so sequence 2 decodes a throwaway token in the same batch and is
+    emptied after. The others' logits are theirs; a sequence that holds
+    tokens is never used so."""
+    prefill(model)
+    assert model.seq_rm(2, -1, -1)
+    step = [(0, [216]), (1, [2273]), (3, [9225])]
+    alone = []
+    for s, toks in step:
+        alone.append(np.array(model.decode(s, len(PROMPTS[s]), toks, 1)))
+        assert model.seq_rm(s, len(PROMPTS[s]), -1)
+    batched = model.decode_multi([(s, len(PROMPTS[s]), toks, 1) for s, toks in reversed(step)])
+    for (s, _), a, b in zip(step, alone, reversed(batched)):
+        assert np.abs(a - b).max() < 1e-2 * np.abs(a).max(), f"seq {s}"
+        assert a.argmax() == b.argmax()
+    assert model._batch.n_tokens == (3 if model.kv_unified else 4)  # unified: one pass anyway
+    assert model.seq_pos_max(2) == -1
+    for s, _ in step:
+        assert model.seq_pos_max(s) == len(PROMPTS[s])
+
+    prefill(model)  # now sequence 2 holds its prompt: it is not touched
+    model.decode_multi([(s, len(PROMPTS[s]), toks, 1) for s, toks in step])
+    assert model._batch.n_tokens == 3
+    assert model.seq_pos_max(2) == len(PROMPTS[2]) - 1
+
+
+def test_gap_fill_only_fills_free_ids_between_equal_parts():
+    from specd.llama import gap_fill
+
+    free = {2, 3, 5, 9}.__contains__
+    assert gap_fill([0, 1, 3, 4], [1, 1, 1, 1], free, 512) == [2]
+    assert gap_fill([4, 0, 1, 6], [2, 2, 2, 2], free, 512) == [2, 3, 5]
+    assert gap_fill([0, 1, 3], [1, 2, 1], free, 512) == []  # unequal: llama.cpp splits it anyway
+    assert gap_fill([0, 1, 4], [1, 1, 1], free, 512) == [2, 3]
+    assert gap_fill([1, 6], [1, 1], lambda s: True, 512) == []  # 4 throwaway tokens for 2 real ones
+    assert gap_fill([0, 1, 2, 3, 5, 6, 7, 8], [1] * 8, free, 512) == []  # 4 holds tokens
+    assert gap_fill([0, 1, 3], [300, 300, 300], free, 1024) == []  # beyond n_batch
+    assert gap_fill([0, 1, 2], [1, 1, 1], free, 512) == []  # nothing to fill
+    assert gap_fill([7], [1], free, 512) == []
