@@ -219,8 +219,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specd.launcher import die_with_parent
+
+    die_with_parent()
+    # SIGTERM unwinds like Ctrl-C, so a `specd bench` or `specd demo` stops the
+    # processes it started (servers install their own handlers when they run)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parser().parse_args(argv)
     return args.fn(args)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

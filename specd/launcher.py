@@ -45,6 +45,27 @@ class ProcessDied(RuntimeError):
     pass
 
 
+PARENT_ENV = "SPECD_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a process the launcher started (PARENT_ENV set): get SIGTERM when
+    the launcher dies, however it dies. A `specd bench` killed with SIGKILL,
+    or a test runner timed out, otherwise leaves its workers running and
+    holding their models' memory. Linux only (prctl PR_SET_PDEATHSIG); the
+    signal follows the launcher thread that started the process, and all
+    of ours start from the thread that keeps the cluster."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Proc:
     def __init__(self, name: str, args: list[str], workdir: pathlib.Path):
         self.name = name
@@ -53,7 +74,8 @@ class Proc:
         self.port_file.unlink(missing_ok=True)  # a reused workdir's old port file would name a dead port
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "specd", *args, "--port-file", str(self.port_file)]
-        self.popen = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.popen = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def log_tail(self, n: int = 30) -> str:
         try:
