@@ -232,7 +232,7 @@ class LlamaModel:
             rc = L.llama_decode(self._ctx, self._batch)
         finally:
             for s in fill:
-                L.llama_memory_seq_rm(self._mem, s, -1, -1)
+                self.seq_rm(s, -1, -1)
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc} ({len(parts)} sequences, {n} tokens)")
         n_out = sum(p[3] for p in parts)
