@@ -152,8 +152,7 @@ def bench_load(args) -> dict:
         one = next(x for x in rows if x["concurrency"] == levels[0] and x["mode"] == r["mode"])
         r["vs_target_only"] = r["tok_s_median"] / base["tok_s_median"]
         r["vs_one_session"] = r["tok_s_median"] / one["tok_s_median"]
-        paired = paired_ratios([x["tok_s"] for x in cells[(r["concurrency"], r["mode"])]],
-                               [x["tok_s"] for x in cells[(r["concurrency"], "target-only")]])
+        paired = paired_ratios(tok_s[(r["concurrency"], r["mode"])], tok_s[(r["concurrency"], "target-only")])
         mean, lo, hi = geomean_interval(paired)
         r["vs_target_only_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired),
                                       "geomean": mean, "ci90": [lo, hi]}

@@ -207,14 +207,11 @@ class LlamaModel:
         # of one per run of consecutive ids (the target's trace at 8 sessions:
         # 7 single tokens with a free id among them 43 ms, 8 in a row 28 ms).
         # Streams are apart: no other sequence sees them.
-        rows = [(parts[i][0], i) for i in order] + [(s, -1) for s in fill]
-        rows.sort()
+        throwaway = (0, [parts[0][2][0]] * len(parts[0][2]), 0) if fill else None  # pos, tokens, n_logits
+        rows = sorted([(parts[i][0], i) for i in order] + [(s, -1) for s in fill])
         n = 0
         for seq_id, i in rows:
-            if i >= 0:
-                _, pos, tokens, n_logits = parts[i]
-            else:
-                pos, tokens, n_logits = 0, [parts[order[0]][2][0]] * len(parts[order[0]][2]), 0
+            pos, tokens, n_logits = parts[i][1:] if i >= 0 else throwaway
             m = len(tokens)
             if n + m > self.n_batch:
                 raise ValueError(f"decode_multi of more than n_batch ({self.n_batch}) tokens")
@@ -378,7 +375,7 @@ def gap_fill(seq_ids: list[int], n_tokens: list[int], is_empty, n_batch: int) ->
     only ids that hold nothing (`is_empty`: emptied again after, whatever the
     memory kind), and no more throwaway tokens than real ones (a pass saved
     is worth about that here) nor beyond n_batch. [] when nothing to fill."""
-    if len(seq_ids) < 2 or len(set(n_tokens)) != 1:
+    if len(seq_ids) < 2 or len(set(n_tokens)) != 1 or n_tokens[0] == 0:
         return []
     have = set(seq_ids)
     gaps = [s for s in range(min(have), max(have)) if s not in have]
