@@ -222,23 +222,28 @@ def test_a_per_step_overhead_does_not_make_drafting_look_cheap():
     assert c.choose(None, 4, 1, 0.5, True, 1) > 0  # one session: it does pay
 
 
-def test_recent_peak_rises_at_once_and_falls_by_half_lives():
-    p = RecentPeak(half_life=2.0)
+def test_recent_peak_is_the_highest_count_of_the_last_hold_seconds():
+    p = RecentPeak(hold=0.3)
     assert p.load(1, 0.0) == 1
     assert p.load(16, 0.1) == 16
-    assert p.load(3, 0.2) == 15  # the wave's tail: still about as loaded
-    assert p.load(3, 2.1) == 8  # one half-life after the peak
-    assert p.load(1, 10.1) == 1  # long quiet: the real count again
-    assert p.load(5, 10.2) == 5
+    assert p.load(3, 0.2) == 16  # the wave's tail: still loaded
+    assert p.load(3, 0.39) == 16
+    assert p.load(2, 0.45) == 3  # 16 is past the hold
+    assert p.load(2, 0.76) == 2
+    assert p.load(5, 0.9) == 5  # rises at once
+    assert p.load(1, 10.0) == 1  # long quiet: the real count again
 
 
 def test_recent_peak_outlasts_a_lull_and_lets_a_lone_session_draft_soon_after_a_wave():
-    # with 2 s half-lives a lone session after a wave of 16 counted as 9 and
-    # more for most of a benchmark cell, and did not draft
+    # halving every 0.5 s, a lone session after a wave of 16 counted as 2
+    # and more for 1.7 s (two of a one-session cell's eight requests) and
+    # did not draft
     p = RecentPeak()
     assert p.load(16, 0.0) == 16
-    assert p.load(1, 0.1) >= 13  # the gap between a client's requests: still loaded
-    assert p.load(1, 2.1) == 1  # two seconds after the wave: alone
+    assert p.load(1, 0.17) == 16  # the gap between a client's requests under load (90th percentile)
+    p = RecentPeak()
+    assert p.load(2, 0.0) == 2 and p.load(1, 0.08) == 2  # at two sessions (longest gap seen)
+    assert p.load(1, 0.5) == 1  # half a second after the wave: alone
 
 
 def test_other_sessions_prompts_in_the_batch_are_not_taken_for_overhead():
