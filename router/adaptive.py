@@ -14,9 +14,10 @@ with t_t = t_target(B * (k + 1)) for the B sessions on the session's target,
 t_d = t_draft(D) for the D sessions sharing the draft, `a` the session's
 acceptance rate (a geometric model of how far drafts match, as in the
 speculative decoding papers) and `h` the share of steps whose drafts overlap
-already made. With overlap the draft drafts the next k + 1 tokens while the
-target verifies, on its own compute: a round lasts as long as the slower of
-the two, plus the drafting nobody hid. t_target / t_draft are the curves
+already made (1 at a step that has them: their cost is sunk). With overlap
+the draft drafts the next k + 1 tokens while the target verifies, on its own
+compute: a round lasts as long as the slower of the two, plus the drafting
+nobody hid. t_target / t_draft are the curves
 each worker timed when it loaded; what they miss under load (`Slowdown`:
 router and RPC time, waiting for the batch, processes sharing cores) is
 learned from measured step times, per load level, as seconds added to a
