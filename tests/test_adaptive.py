@@ -235,9 +235,9 @@ def test_recent_peak_is_the_highest_count_of_the_last_hold_seconds():
 
 
 def test_recent_peak_outlasts_a_lull_and_lets_a_lone_session_draft_soon_after_a_wave():
-    # halving every 0.5 s, a lone session after a wave of 16 counted as 2
-    # and more for 1.7 s (two of a one-session cell's eight requests) and
-    # did not draft
+    # halving every 0.5 s, a lone session after a wave of 16 counted as 9
+    # down to 2 for 1.6 s (a request and a third of a one-session cell's
+    # eight) and did not draft
     p = RecentPeak()
     assert p.load(16, 0.0) == 16
     assert p.load(1, 0.17) == 16  # the gap between a client's requests under load (90th percentile)
