@@ -16,17 +16,28 @@ from __future__ import annotations
 import asyncio
 import collections
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd import errors
 from specd.engine import CheckpointInfo, ModelInfo, SeqState
 from specd.sampling import Sampling
+from specd.security import KeyedChannel, api_key_metadata
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker_service import INSTANCE_KEY, dist_from_pb, dist_pb
 
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+@dataclass
+class _InFlight:
+    """An operation sent on the stream and not answered yet."""
+
+    fut: asyncio.Future
+    name: str
 
 
 @dataclass
@@ -46,6 +57,7 @@ class ProposeOut:
     compute_seconds: float = 0.0
     batch_tokens: int = 0
     batch_seconds: float = 0.0
+    q: list = field(default_factory=list)  # specd.sampling.TokenDist of each token, when sampled
 
 
 def error_for(code_name: str, message: str) -> errors.SpecdError:
@@ -67,6 +79,7 @@ def _model_info(i: pb.ModelInfo) -> ModelInfo:
         n_threads_batch=i.n_threads_batch or i.n_threads,
         decode_costs_shared=tuple((c.n_tokens, c.seconds) for c in i.decode_costs_shared),
         prompt_costs=tuple((c.n_tokens, c.seconds) for c in i.prompt_costs),
+        instance_id=i.instance_id,
     )
 
 
@@ -85,8 +98,23 @@ def _unwrap(res: pb.WorkerResult):
                          v.batch_seconds)
     if which == "propose":
         p = res.propose
-        return ProposeOut(list(p.tokens), _state(p.state), p.compute_seconds, p.batch_tokens, p.batch_seconds)
+        return ProposeOut(list(p.tokens), _state(p.state), p.compute_seconds, p.batch_tokens, p.batch_seconds,
+                          [dist_from_pb(d) for d in p.q])
     return None
+
+
+def _stream_failure(exc: grpc.aio.AioRpcError, message: str) -> errors.SpecdError:
+    """What a broken Execute stream means to the router. Operations report
+    their own errors inside WorkerResult, so a status on the stream itself is
+    the worker refusing the caller (credentials), another process answering
+    (ABORTED, worker.proto), or the connection gone, whatever code the
+    transport chose for it (a write to a killed worker can end INTERNAL)."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return error_for(code.name, message)
+    if code == grpc.StatusCode.ABORTED:
+        return errors.WorkerRestarted(message)
+    return errors.Unavailable(message)
 
 
 def _sampling_pb(s: Sampling) -> pb.SamplingParams:
@@ -133,13 +161,19 @@ class _Ops:
         return await self._send("clear", seq_id=seq_id)
 
     async def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-                     draft_busy: bool = False):
+                     draft_busy: bool = False, draft_q=()):
+        """`draft_q`: the drafts' distributions (ProposeOut.q) for speculative sampling."""
         return self._track(await self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
-                                            sample_index=sample_index, trim=trim, draft_busy=draft_busy))
+                                            sample_index=sample_index, trim=trim, draft_busy=draft_busy,
+                                            draft_q=list(draft_q)))
 
-    async def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
+    async def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
+                      sampling: Sampling | None = None, sample_index: int = 0):
+        """`sampling`: sample the drafts (and return their q) for the request's
+        token `sample_index` on; None: the draft's most likely tokens."""
+        extra = {} if sampling is None else {"sampling": sampling, "sample_index": sample_index}
         return self._track(await self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
-                                            n_min=n_min, p_min=p_min))
+                                            n_min=n_min, p_min=p_min, **extra))
 
 
 _REQUEST_TYPES = {
@@ -154,11 +188,13 @@ class GrpcWorker(_Ops):
     """A worker process reached over gRPC; hot-path calls share one stream."""
 
     def __init__(self, address: str, name: str, channel: grpc.aio.Channel | None = None, timeout: float = 30.0,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
+                 api_key: str | None = None):
         """`credentials` (specd.security.channel_credentials): TLS, with a
         client certificate for workers that require one (mTLS); None: plaintext.
         `server_name`: the name to expect in the worker's certificate when it
-        is not the host of `address`."""
+        is not the host of `address`. `api_key`: sent with every Worker call,
+        for workers started with --api-key-file."""
         self.address = address
         self.name = name
         self.timeout = timeout
@@ -168,12 +204,18 @@ class GrpcWorker(_Ops):
                 options.append(("grpc.ssl_target_name_override", server_name))
             channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.channel = channel or grpc.aio.insecure_channel(address, options=options)
-        self._stub = pb_grpc.WorkerStub(self.channel)
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
+        # the key rides on every call made through the stub, Execute streams included
+        keyed = KeyedChannel(self.channel, api_key_metadata(api_key)) if api_key else self.channel
+        self._stub = pb_grpc.WorkerStub(keyed)
+        self._pending: collections.deque[_InFlight] = collections.deque()
         self._reader: asyncio.Task | None = None
         self._writer: asyncio.Task | None = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        # ModelInfo.instance_id the router attached to; streams carry it so a
+        # restarted worker refuses them (worker.proto, Execute)
+        self.instance_id = ""
 
     # ---------------------------------------------------------------- unary
     async def model_info(self) -> ModelInfo:
@@ -186,6 +228,13 @@ class GrpcWorker(_Ops):
     async def detokenize(self, tokens) -> str:
         return (await self._unary(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))).text
 
+    async def apply_chat_template(self, messages) -> list[int]:
+        """Token ids of `messages` (router.chat.ChatMessage) rendered with the
+        worker's chat template, ending with the assistant's turn opened."""
+        request = pb.ApplyChatTemplateRequest(add_generation_prompt=True, messages=[
+            pb.ChatMessage(role=m.role, content=m.content) for m in messages])
+        return list((await self._unary(self._stub.ApplyChatTemplate, request)).tokens)
+
     async def _unary(self, method, request):
         try:
             return await method(request, timeout=self.timeout)
@@ -193,20 +242,29 @@ class GrpcWorker(_Ops):
             raise error_for(exc.code().name, f"{self.name} worker at {self.address}: {exc.details()}") from None
 
     # --------------------------------------------------------------- stream
+    def expect_instance(self, instance_id: str) -> None:
+        """Streams opened from now on are for this worker process only."""
+        if instance_id != self.instance_id:
+            self.instance_id = instance_id
+            if self._call is not None:
+                self._call.cancel()  # a stream to another process must not carry on
+                self._reader = None  # the next operation opens a stream that says which process
+
     async def _send(self, name: str, **fields) -> asyncio.Future:
         if "sampling" in fields:
             fields["sampling"] = _sampling_pb(fields["sampling"])
+        if "draft_q" in fields:
+            fields["draft_q"] = [dist_pb(d) for d in fields["draft_q"]]
         op = pb.WorkerOp(**{name: _REQUEST_TYPES[name](**fields)})
         if self._reader is None or self._reader.done():
             self._open()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         # gRPC allows one write in flight per stream: sessions hand their
         # operations to the stream's writer, which keeps their order
-        self._pending.append(fut)
+        self._pending.append(_InFlight(fut, name))
         self._outbox.put_nowait(op)
-        timer = loop.call_later(self.timeout, self._expire, fut, name)
-        fut.add_done_callback(lambda _: timer.cancel())
+        if len(self._pending) == 1:
+            self._arm()
         return fut
 
     async def _write(self, call, outbox: asyncio.Queue) -> None:
@@ -218,33 +276,64 @@ class GrpcWorker(_Ops):
         except Exception:  # the stream is broken: cancelling it makes the reader fail what is pending
             call.cancel()
 
-    def _expire(self, fut: asyncio.Future, name: str) -> None:
-        """A call past its deadline: the worker is stuck. Fail everything in
-        flight and drop the stream; the next call opens a new one."""
-        if fut.done():
+    # The worker answers a stream's operations in order, so the oldest one
+    # unanswered is the one it works on (or waits behind in its batch). Its
+    # deadline starts when it becomes the oldest: an operation queued behind
+    # another session's long prompt is not charged for it, and a late one
+    # fails alone while the stream and every other session go on.
+    def _arm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._pending:
+            self._head_timer = asyncio.get_running_loop().call_later(self.timeout, self._head_expired)
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if not self._pending:
             return
-        fut.set_exception(errors.DeadlineExceeded(
-            f"{self.name} worker at {self.address}: {name} took longer than {self.timeout:g}s"))
-        fut.exception()
-        if self._call is not None:
-            self._call.cancel()
+        head = self._pending[0]
+        if not head.fut.done():
+            head.fut.set_exception(errors.DeadlineExceeded(
+                f"{self.name} worker at {self.address}: {head.name} took longer than {self.timeout:g}s"))
+            head.fut.exception()  # the owner may be gone
+        asyncio.get_running_loop().create_task(self._probe(self._call))
+        self._arm()  # keep watching while no answer comes
+
+    async def _probe(self, call) -> None:
+        """No answer for a whole deadline: a worker whose server no longer
+        answers its health check is stuck or gone, so drop the stream (every
+        pending operation fails UNAVAILABLE, and the router fails over). A
+        busy worker answers from its event loop while its model computes."""
+        try:
+            await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError:
+            if call is not None and call is self._call:
+                call.cancel()
 
     def _open(self) -> None:
-        call = self._call = self._stub.Execute()
+        metadata = ((INSTANCE_KEY, self.instance_id),) if self.instance_id else None
+        call = self._call = self._stub.Execute(metadata=metadata)
         if self._writer is not None:
             self._writer.cancel()
         self._outbox = asyncio.Queue()
+        # each stream answers its own operations: a closing stream's reader
+        # fails only what was sent on it
+        self._pending = collections.deque()
+        self._arm()  # nothing is in flight on the new stream yet
         loop = asyncio.get_running_loop()
         self._writer = loop.create_task(self._write(call, self._outbox))
-        self._reader = loop.create_task(self._read(call))
+        self._reader = loop.create_task(self._read(call, self._pending))
 
-    async def _read(self, call) -> None:
+    async def _read(self, call, pending: collections.deque) -> None:
         try:
             while True:
                 res = await call.read()
                 if res is grpc.aio.EOF:
                     break
-                fut = self._pending.popleft()
+                fut = pending.popleft().fut
+                if pending is self._pending:
+                    self._arm()
                 if fut.done():  # cancelled or expired
                     continue
                 try:
@@ -253,11 +342,14 @@ class GrpcWorker(_Ops):
                     fut.set_exception(exc)
             failure: errors.SpecdError = errors.Unavailable(f"{self.name} worker at {self.address} closed the stream")
         except grpc.aio.AioRpcError as exc:
-            failure = error_for(exc.code().name, f"{self.name} worker at {self.address}: {exc.details()}")
+            failure = _stream_failure(exc, f"{self.name} worker at {self.address}: {exc.details()}")
         except asyncio.CancelledError:
             failure = errors.Unavailable(f"{self.name} worker connection closed")
-        while self._pending:
-            fut = self._pending.popleft()
+        if pending is self._pending and self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        while pending:
+            fut = pending.popleft().fut
             if not fut.done():
                 fut.set_exception(failure)
                 fut.exception()  # mark retrieved: the owner may be gone
@@ -288,11 +380,20 @@ class LocalWorker(_Ops):
     async def model_info(self) -> ModelInfo:
         return await self._call(lambda: self.engine.info())
 
+    def expect_instance(self, instance_id: str) -> None:
+        """One process: the engine cannot restart under the router."""
+
     async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return await self._call(lambda: self.engine.tokenize(text, add_special, parse_special))
 
     async def detokenize(self, tokens) -> str:
         return await self._call(lambda: self.engine.detokenize(tokens))
+
+    async def apply_chat_template(self, messages) -> list[int]:
+        def fn():
+            text = self.engine.apply_chat_template([(m.role, m.content) for m in messages], True)
+            return self.engine.tokenize(text, True, True)
+        return await self._call(fn)
 
     def _call(self, fn) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._pool, fn)
@@ -302,12 +403,14 @@ class LocalWorker(_Ops):
         f.pop("draft_busy", None)  # one process: nothing to share cores with
         if name == "verify":
             def fn():
-                r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"])
+                r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"],
+                             f["draft_q"])
                 return VerifyOut(r.tokens, r.pieces, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds)
         elif name == "propose":
             def fn():
-                r = e.propose(f["seq_id"], f["pos"], f["tokens"], f["n_max"], f["n_min"], f["p_min"])
-                return ProposeOut(r.tokens, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds)
+                r = e.propose(f["seq_id"], f["pos"], f["tokens"], f["n_max"], f["n_min"], f["p_min"],
+                              f.get("sampling"), f.get("sample_index", 0))
+                return ProposeOut(r.tokens, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds, r.q)
         else:
             method = {"get_seq_state": "state"}.get(name, name)
             args = list(f.values())

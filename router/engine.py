@@ -26,14 +26,16 @@ from typing import AsyncIterator, Callable
 
 from router.adaptive import Controller, CostCurve, RecentPeak
 from specd.engine import ModelInfo, SeqState
-from specd.errors import (DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, ResourceExhausted,
-                          SpecdError, Unavailable)
-from specd.sampling import Sampling
+from specd.errors import (FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError,
+                          Unavailable, WorkerRestarted)
+from specd.sampling import DEFAULT_ACCEPTANCE, EXACT, Sampling
 from specd.tokens import history_hash
 
 log = logging.getLogger("specd.router")
 
 MAX_DRAFT = 64
+# how long a failed target gets to answer before its sessions move on
+REATTACH_SECONDS = 5.0
 
 
 @dataclass
@@ -67,6 +69,14 @@ class GenParams:
     adaptive: bool | None = None
     context_shift: bool = False
     n_keep: int = 0
+    acceptance: str | None = None  # specd.sampling.EXACT | REJECTION; None: DEFAULT_ACCEPTANCE
+
+    @property
+    def draft_sampling(self) -> Sampling | None:
+        """The sampling a draft proposes with: the request's when sampled
+        drafts are accepted by speculative sampling, else None (argmax drafts)."""
+        exact = (self.acceptance or DEFAULT_ACCEPTANCE) == EXACT
+        return None if self.sampling.greedy or exact else self.sampling
 
 
 @dataclass
@@ -126,6 +136,7 @@ class SeqPool:
     def __init__(self, n_seq: int, max_queue: int):
         self.capacity = n_seq
         self.free = list(range(n_seq - 1, -1, -1))
+        self.in_use: set[int] = set()
         self.max_queue = max_queue
         self.waiters: list[asyncio.Future] = []
         self.cached: dict[int, list[int]] = {}
@@ -136,9 +147,26 @@ class SeqPool:
         self.cached_on.pop(seq, None)
         return self.cached.pop(seq, []), self.cached_d.pop(seq, 0)
 
+    def drop_target_cache(self, seq: int) -> None:
+        """Forget what a target holds of `seq`. What the draft holds stays
+        counted (cached_d), so the next session on `seq` clears it there
+        before decoding from position 0."""
+        self.cached_on.pop(seq, None)
+        self.cached.pop(seq, None)
+
     def forget_target(self, target) -> None:
         """A target worker lost its sequences (down or restarted)."""
         for seq in [q for q, t in self.cached_on.items() if t is target]:
+            self.drop_target_cache(seq)
+
+    def shrink(self, n_seq: int) -> None:
+        """A worker hosts only ids below `n_seq`: higher ones are never handed
+        out again (those running end their session and are dropped)."""
+        if n_seq >= self.capacity:
+            return
+        self.capacity = n_seq
+        self.free = [i for i in self.free if i < n_seq]
+        for seq in [q for q in {*self.cached, *self.cached_d} if q >= n_seq]:
             self.take_cache(seq)
 
     def forget_draft(self) -> None:
@@ -157,25 +185,34 @@ class SeqPool:
 
     @property
     def n_running(self) -> int:
-        return self.capacity - len(self.free)
+        return len(self.in_use)
 
     async def acquire(self, prompt: list[int] = ()) -> int:
         if self.free:
-            return self._best_free(list(prompt))
+            seq = self._best_free(list(prompt))
+            self.in_use.add(seq)
+            return seq
         if len(self.waiters) >= self.max_queue:
             raise ResourceExhausted(f"all sequences are busy and the queue is full (max_queue = {self.max_queue})")
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
         try:
-            return await fut
+            seq = await fut
+            self.in_use.add(seq)
+            return seq
         except asyncio.CancelledError:
             if fut in self.waiters:
                 self.waiters.remove(fut)
             elif fut.done() and not fut.cancelled():
+                self.in_use.add(fut.result())
                 self.release(fut.result())
             raise
 
     def release(self, seq: int) -> None:
+        self.in_use.discard(seq)
+        if seq >= self.capacity:  # the pool shrank while it ran (shrink)
+            self.take_cache(seq)
+            return
         while self.waiters:
             fut = self.waiters.pop(0)
             if not fut.done():
@@ -195,6 +232,10 @@ class TargetSlot:
     n_active: int = 0  # sessions on it
     peak: RecentPeak = field(default_factory=RecentPeak)  # of n_active: the load adaptive speculation sees
     watching: bool = False
+    instance: str = ""  # ModelInfo.instance_id of the process attached to
+    epoch: int = 0  # counts attaches: each one empties the worker's sequences
+    # one re-attach at a time: every session on a restarted worker reports it
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class _Session:
@@ -202,6 +243,9 @@ class _Session:
         self.seq = seq
         self.tgt: TargetSlot | None = None
         self.target = None  # self.tgt.client
+        self.t_epoch = 0  # TargetSlot.epoch when this session's KV was put on its target
+        self.d_epoch = 0  # Router.draft_epoch when the draft last held this session's tokens
+        self.wants_draft = False  # speculation asked for and a draft configured
         self.p = params
         self.ctx = list(params.prompt)
         self.n_t = 0  # tokens of ctx the target holds
@@ -209,6 +253,7 @@ class _Session:
         # overlap: drafts the draft already computed past ctx (assuming all of
         # the last step was accepted); the draft holds (ctx + ahead)[:ahead_held]
         self.ahead: list[int] = []
+        self.ahead_q: list = []  # the distributions of `ahead`, when the draft sampled them
         self.ahead_held = 0
         self.res = result
         result.n_prompt = len(params.prompt)
@@ -235,6 +280,9 @@ class Router:
         self.target_info: ModelInfo | None = None
         self.draft_info: ModelInfo | None = None
         self.draft_up = False
+        # counts draft (re)attaches: each empties the draft, so a session
+        # holding an older epoch starts the draft over from position 0
+        self.draft_epoch = 0
         self.pool: SeqPool | None = None
         self.controller = Controller()
         self.peak = RecentPeak()  # of all sessions: the draft's load as adaptive speculation sees it
@@ -281,22 +329,51 @@ class Router:
                     await asyncio.sleep(0.2)
 
     async def _attach_target(self, t: TargetSlot) -> None:
+        """Attach (or re-attach) a target process: every target serves the
+        same model, so failover replays give the same text."""
         info = await t.client.model_info()
         if self.target_info is None:
             self.target_info = info
             self.eog = frozenset(info.eog_tokens)
-            self.n_ctx = info.n_ctx_seq
             self.pool = SeqPool(info.n_seq, self.settings.max_queue)
             self.controller.target = CostCurve(info.decode_costs)
             self.controller.target_shared = CostCurve(info.decode_costs_shared)
         else:
-            check_vocab(self.target_info, info, "target")
+            check_same_model(self.target_info, info, "target")
+        t.client.expect_instance(info.instance_id)
+        t.epoch += 1  # before the clear: sessions from before it must replay
         await _done(t.client.clear(-1))  # start from empty sequences whatever came before
         self.pool.forget_target(t)
-        self.n_ctx = min(self.n_ctx, info.n_ctx_seq)
-        self.pool.capacity = min(self.pool.capacity, info.n_seq)
-        self.pool.free = [i for i in self.pool.free if i < info.n_seq]
-        t.info, t.up = info, True
+        t.info, t.instance, t.up = info, info.instance_id, True
+        self._fit_sizes()
+
+    def _fit_sizes(self) -> None:
+        """Context and sequence ids every attached worker can hold."""
+        infos = [t.info for t in self.targets if t.info is not None]
+        if self.draft_info is not None:
+            infos.append(self.draft_info)
+        self.n_ctx = min(i.n_ctx_seq for i in infos)
+        self.pool.shrink(min(i.n_seq for i in infos))
+
+    async def _target_failed(self, t: TargetSlot, exc: SpecdError, epoch: int) -> None:
+        """A session's call to `t` (attached at `epoch`) failed with `exc`:
+        its sequences are gone or unknown. Try to attach it again at once (a
+        restarted worker is alive and empty, a broken stream may just need a
+        new one); else watch it until it answers. Every session on it
+        reports the failure; only the first acts."""
+        async with t.lock:
+            if t.epoch != epoch or not t.up:
+                return  # re-attached or marked down already
+            t.up = False
+            self.pool.forget_target(t)
+            try:
+                await asyncio.wait_for(self._attach_target(t), REATTACH_SECONDS)
+                log.warning("%s failed (%s): re-attached, its sessions replay their history", t.name, exc)
+                return
+            except (SpecdError, asyncio.TimeoutError) as err:
+                log.warning("%s failed (%s) and does not answer: %s", t.name, exc, err or "timed out")
+                t.up = False
+            self._watch(t)
 
     def _watch(self, t: TargetSlot) -> None:
         if not t.watching:
@@ -331,7 +408,7 @@ class Router:
         if holder in live and holder.n_active <= best.n_active + 1:
             return holder
         if holder is not None:  # the cache stays behind on the other worker: drop it there
-            self.pool.take_cache(seq)
+            self.pool.drop_target_cache(seq)
             if holder.up:
                 asyncio.get_running_loop().create_task(_quiet(holder.client.clear(seq)))
         return best
@@ -339,19 +416,24 @@ class Router:
     async def _attach_draft(self) -> None:
         info = await self.draft.model_info()
         check_vocab(self.target_info, info)
+        self.draft.expect_instance(info.instance_id)
+        # before the clear: a session that sees the new epoch sends its next
+        # operation after the clear on the same ordered stream
+        self.draft_epoch += 1
         await _done(self.draft.clear(-1))
         self.draft_info = info
         self.pool.forget_draft()
         self.controller.draft = CostCurve(info.decode_costs)
         self.controller.draft_prompt = CostCurve(info.prompt_costs)
-        self.n_ctx = min(self.target_info.n_ctx_seq, info.n_ctx_seq)
-        self.pool.capacity = min(self.pool.capacity, info.n_seq)
-        self.pool.free = [i for i in self.pool.free if i < info.n_seq]
+        self._fit_sizes()
         self.draft_up = True
 
     async def _watch_draft(self, interval: float = 2.0) -> None:
+        first = True
         while not self.draft_up:
-            await asyncio.sleep(interval)
+            # a restarted draft answers at once; a dead one is asked every interval
+            await asyncio.sleep(0.05 if first else interval)
+            first = False
             try:
                 await self._attach_draft()
                 log.info("draft worker attached")
@@ -373,11 +455,12 @@ class Router:
         n_vocab = self.target_info.n_vocab
         if not p.prompt:
             raise InvalidArgument("prompt must not be empty")
-        for i, t in enumerate(p.prompt):
-            if not 0 <= t < n_vocab:
-                raise InvalidArgument(f"prompt_tokens[{i}] = {t} is not in [0, n_vocab = {n_vocab})")
         if len(p.prompt) > self.n_ctx:
             raise InvalidArgument(f"prompt has {len(p.prompt)} tokens; the context of a sequence holds {self.n_ctx}")
+        # the length is bounded now; min and max run in C, the loop only names a bad id
+        if min(p.prompt) < 0 or max(p.prompt) >= n_vocab:
+            i, t = next((i, t) for i, t in enumerate(p.prompt) if not 0 <= t < n_vocab)
+            raise InvalidArgument(f"prompt_tokens[{i}] = {t} is not in [0, n_vocab = {n_vocab})")
         if p.max_tokens is not None:
             if p.max_tokens <= 0:
                 raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}")
@@ -416,10 +499,12 @@ class Router:
         except Unavailable:
             self.pool.release(seq)
             raise
-        s.target = s.tgt.client
+        s.target, s.t_epoch = s.tgt.client, s.tgt.epoch
         s.tgt.n_active += 1
-        use_draft = self.draft is not None and self.draft_up and p.speculative is not False
+        s.wants_draft = self.draft is not None and p.speculative is not False
+        use_draft = s.wants_draft and self.draft_up
         result.speculative = s.with_draft = use_draft
+        s.d_epoch = self.draft_epoch
         s.acc = self.controller.new_session()
         s.hidden = 0.5 if self.settings.overlap else 0.0
         try:
@@ -427,7 +512,9 @@ class Router:
             use_draft = await self._reuse(s, use_draft)
             try:
                 use_draft = await self._prefill(s, use_draft, use_draft and self._draft_could_pay(s))
-            except (Unavailable, DeadlineExceeded) as exc:
+            except SpecdError as exc:
+                if not self._target_lost(s, exc):
+                    raise
                 use_draft = await self._failover(s, exc, use_draft)
             result.prompt_seconds = time.perf_counter() - t0
             t_gen = time.perf_counter()
@@ -435,6 +522,9 @@ class Router:
             while True:
                 n_before = None
                 try:
+                    if s.t_epoch != s.tgt.epoch:
+                        raise WorkerRestarted(f"{s.tgt.name} was attached again: seq {s.seq} is gone from it")
+                    use_draft = self._rejoin_draft(s, use_draft)
                     if len(s.ctx) > self.n_ctx:  # no position left for id_last
                         if not self._can_shift(p):
                             result.reason = "length"
@@ -442,7 +532,9 @@ class Router:
                         use_draft = await self._context_shift(s, use_draft)
                     n_before = len(s.ctx)
                     out, pieces, use_draft = await self._step(s, use_draft, limit - result.n_generated)
-                except (Unavailable, DeadlineExceeded) as exc:
+                except SpecdError as exc:
+                    if not self._target_lost(s, exc):
+                        raise  # a deadline, a refusal: this session fails alone
                     if n_before is not None:
                         del s.ctx[n_before:]  # the failed step's tokens were not handed out
                     use_draft = await self._failover(s, exc, use_draft)
@@ -598,13 +690,14 @@ class Router:
             s.n_t = n - 1
 
         drafts: list[int] = []
+        q: list = []  # the drafts' distributions, when the draft sampled them
         held_d = s.ahead_held if s.ahead else s.n_d  # over ctx + s.ahead
         ck_d = cont = None
         ahead_used = False
         t_draft = c_draft = c_cont = 0.0
         if s.ahead and min(k, len(s.ahead)) >= max(1, n_min):
             # drafted during the last verification, for exactly this context
-            drafts, held_d = s.ahead[:k], s.ahead_held
+            drafts, q, held_d = s.ahead[:k], s.ahead_q[:k], s.ahead_held
             if len(drafts) < len(s.ahead):
                 # the draft also holds the drafts not used: drop them, so it
                 # can go on after the last one used while the target verifies
@@ -618,11 +711,17 @@ class Router:
             s.res.n_ahead_used += 1
             ahead_used = True
         elif k >= max(1, n_min):
+            if s.ahead:
+                # fewer drafts made beside the last verification than n_min:
+                # the draft drops them and drafts anew from id_last
+                s.n_d = min(s.n_d, n - 1)
+                s.pending_d.append(await self.draft.seq_rm(seq, s.n_d, -1))
             try:
                 if ckpt:
                     ck_d = await self.draft.checkpoint_save(seq)
-                prop = await _done(self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min))
-                drafts = prop.tokens
+                prop = await _done(self.draft.propose(seq, s.n_d, ctx[s.n_d :], k, n_min, p_min, p.draft_sampling,
+                                                      s.res.n_generated))
+                drafts, q = prop.tokens, prop.q
                 c_draft = prop.compute_seconds
                 self.controller.draft.observe(prop.batch_tokens, prop.batch_seconds)
                 held_d = prop.state.pos_max + 1
@@ -640,16 +739,25 @@ class Router:
         next_k = min(max(k, 1), self.n_ctx - (n + len(drafts) + 1), remaining - len(drafts) - 2)
         if (self.settings.overlap and use_draft and drafts and not ckpt and next_k >= 1
                 and held_d == n + len(drafts) - 1):
-            cont = await self.draft.propose(seq, held_d, drafts[-1:], next_k + 1, 0, p_min)
+            # its first token guesses the one after the drafts: sample index n_generated + len(drafts)
+            cont = await self.draft.propose(seq, held_d, drafts[-1:], next_k + 1, 0, p_min, p.draft_sampling,
+                                            s.res.n_generated + len(drafts))
 
         t1 = time.perf_counter()
         ck_t = (await s.target.checkpoint_save(seq)) if ckpt and drafts else None
         draft_busy = self._draft_busy()
-        ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated, not ckpt,
-                                          draft_busy=draft_busy))
+        try:
+            # without a distribution for every draft (n-gram, exact acceptance), exact match
+            ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated,
+                                              not ckpt, draft_busy=draft_busy,
+                                              draft_q=q if len(q) == len(drafts) else ()))
+        except BaseException:
+            if cont is not None:  # its result no longer matters; the failover trims the draft
+                cont.add_done_callback(_consume)
+            raise
         out = ver.tokens
         t_verify = time.perf_counter() - t1
-        self.controller.target.observe(ver.batch_tokens, ver.batch_seconds)
+        self.controller.observe_target(ver.batch_tokens, ver.batch_seconds, draft_busy)
         a = len(out) - 1
         keep = n + a  # positions of the context after this step that are decoded: id_last + accepted drafts
 
@@ -673,7 +781,7 @@ class Router:
                 held_d = c.state.pos_max + 1  # over ctx + drafts + c.tokens
                 if a == len(drafts) and c.tokens and c.tokens[0] == out[-1]:
                     # guessed right: ctx + out + c.tokens[1:] is what the draft holds a prefix of
-                    s.ahead, s.ahead_held = c.tokens[1:], held_d
+                    s.ahead, s.ahead_q, s.ahead_held = c.tokens[1:], c.q[1:], held_d
                     s.n_d = min(held_d, n + len(out))
 
         if use_draft and not s.ahead and held_d > s.n_d:
@@ -730,52 +838,70 @@ class Router:
                       ver.batch_tokens, ver.batch_seconds * 1e3, predicted * 1e3, *(x * 1e3 for x in slow.extras(time.monotonic())))
         return out, ver.pieces, use_draft
 
+    def _target_lost(self, s: _Session, exc: SpecdError) -> bool:
+        """Whether `exc` means the session's KV on its target is gone (the
+        worker is down or restarted), so that replaying the history on a
+        live target is the way on; any other error fails the session."""
+        return isinstance(exc, Unavailable) or s.t_epoch != s.tgt.epoch
+
     async def _failover(self, s: _Session, exc: SpecdError, use_draft: bool) -> bool:
-        """The session's target failed: continue on another live target by
-        replaying the history (same output: greedy is deterministic and
-        sampling uses the token index's random number). No other target:
-        the request fails with the error."""
+        """The session's target lost its sequence: continue on a live target
+        (the same one once re-attached after a restart) by replaying the
+        history (same output: greedy is deterministic and sampling uses the
+        token index's random number). No live target: the request fails."""
         while True:
             old = s.tgt
-            if old.up:
-                old.up = False
-                self.pool.forget_target(old)
-                self._watch(old)
+            await self._target_failed(old, exc, s.t_epoch)
             live = [t for t in self.targets if t.up]
             if not live:
-                raise exc
-            log.warning("%s failed for seq %d, resuming on another target: %s", old.name, s.seq, exc)
+                raise exc if isinstance(exc, Unavailable) else Unavailable(f"no target worker is available: {exc}")
             for fut in s.pending_t:
                 if not fut.done():
                     fut.cancel()
             s.pending_t = []
             old.n_active -= 1
             s.tgt = min(live, key=lambda t: t.n_active)
-            s.target = s.tgt.client
+            s.target, s.t_epoch = s.tgt.client, s.tgt.epoch
             s.tgt.n_active += 1
+            log.warning("%s failed for seq %d, resuming on %s: %s", old.name, s.seq,
+                        "another target" if s.tgt is not old else "it", exc)
             s.res.n_failovers += 1
-            s.n_t = 0
+            s.n_t = s.res.n_cached = 0  # the replay decodes the whole history
             try:
                 n = len(s.ctx) - 1
                 if n:
                     await _done(s.target.decode(s.seq, 0, s.ctx[:n]))
                 s.n_t = n
                 break
-            except (Unavailable, DeadlineExceeded) as again:
+            except SpecdError as again:
+                if not self._target_lost(s, again):
+                    raise
                 exc = again
-        if use_draft and s.ahead:  # lookahead past the failed step: drop it
+        if use_draft:
+            # the failed step may have left drafts, a lookahead or a
+            # continuation past the history on the draft: cut it back
             s.ahead = []
+            s.n_d = min(s.n_d, len(s.ctx) - 1)
             try:
                 await _done(self.draft.seq_rm(s.seq, s.n_d, -1))
             except SpecdError as err:
                 use_draft = self._draft_failed(s, err)
-        if use_draft and s.n_d > len(s.ctx) - 1:
-            try:
-                await _done(self.draft.seq_rm(s.seq, len(s.ctx) - 1, -1))
-                s.n_d = len(s.ctx) - 1
-            except SpecdError as err:
-                use_draft = self._draft_failed(s, err)
         return use_draft
+
+    def _rejoin_draft(self, s: _Session, use_draft: bool) -> bool:
+        """The draft was (re)attached since this session last used it, so it
+        holds nothing of the session: draft again from position 0 (the next
+        Propose catches up on the whole history)."""
+        if not s.wants_draft or not self.draft_up or s.d_epoch == self.draft_epoch:
+            return use_draft
+        for fut in s.pending_d:
+            if not fut.done():
+                fut.cancel()
+        s.pending_d = []
+        s.d_epoch = self.draft_epoch
+        s.n_d, s.ahead, s.ahead_held, s.draft_prefill = 0, [], 0, None
+        s.with_draft = True
+        return True
 
     async def _settle(self, s: _Session, use_draft: bool, wait: bool = True) -> bool:
         """Collect the pipelined operations' results. A target failure fails the
@@ -801,11 +927,17 @@ class Router:
         return use_draft
 
     def _draft_failed(self, s: _Session, exc: BaseException) -> bool:
-        """Degrade to target-only decoding: the request goes on without the draft."""
-        log.warning("draft worker failed for seq %d, continuing target-only: %s", s.seq, exc)
-        if isinstance(exc, (Unavailable, DeadlineExceeded)) and self.draft_up:
-            # the worker itself is gone or stuck: new sessions go target-only
-            # until the watcher sees it answer again
+        """Degrade to target-only decoding: the request goes on without the
+        draft. If the draft was attached again since this session last used
+        it (which clears it), the failure is that attach's: the session
+        rejoins from position 0 at its next step (_rejoin_draft)."""
+        if s.d_epoch != self.draft_epoch:
+            log.info("draft worker attached again under seq %d: it drafts anew from position 0", s.seq)
+        else:
+            log.warning("draft worker failed for seq %d, continuing target-only: %s", s.seq, exc)
+        if isinstance(exc, Unavailable) and self.draft_up and s.d_epoch == self.draft_epoch:
+            # the worker itself is gone, stuck or restarted: new sessions go
+            # target-only until the watcher attaches it again
             self.draft_up = False
             self._watcher = asyncio.get_running_loop().create_task(self._watch_draft())
         for fut in s.pending_d:
@@ -922,6 +1054,12 @@ def _log_release_error(task: asyncio.Task) -> None:
         log.error("releasing a sequence failed", exc_info=task.exception())
 
 
+def _consume(fut: asyncio.Future) -> None:
+    """Retrieve a result nobody waits for (no 'never retrieved' warning)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _quiet(issue) -> None:
     """Issue an operation whose result does not matter."""
     try:
@@ -951,6 +1089,17 @@ def _mismatch(state: SeqState, ctx: list[int], n: int) -> str:
     if state.token_hash != history_hash(ctx[:n]):
         return f"holds other tokens at positions [0, {n})"
     return ""
+
+
+def check_same_model(first: ModelInfo, other: ModelInfo, role: str) -> None:
+    """Targets must be one model: a session that fails over replays its
+    history on another and must get the same text."""
+    check_vocab(first, other, role)
+    if (other.architecture, other.description) != (first.architecture, first.description):
+        raise FailedPrecondition(
+            f"the {role} model {other.model_path or other.description!r} ({other.description}) is not the model "
+            f"the router serves ({first.description}); every target worker must load the same model"
+        )
 
 
 def check_vocab(target: ModelInfo, draft: ModelInfo, role: str = "draft") -> None:

@@ -55,6 +55,8 @@ class ModelInfo:
     decode_costs_shared: tuple[tuple[int, float], ...] = ()
     # as decode_costs with the last token's logits only (a prompt, a catch-up)
     prompt_costs: tuple[tuple[int, float], ...] = ()
+    # the worker process's random id (ModelInfo.instance_id); set by its server
+    instance_id: str = ""
 
 
 @dataclass
@@ -165,15 +167,16 @@ class WorkerEngine:
         return toks.astype(np.int32)
 
     def _check_append(self, seq: SeqTokens, pos: int, n: int, name: str = "pos") -> None:
-        expected = seq.pos_max + 1 if len(seq) else None
+        # An empty sequence takes position 0 only (llama.cpp accepts any): a
+        # caller that believes the worker holds a prefix it lost in a restart
+        # must be told, not have its tokens decoded without their context.
+        expected = seq.pos_max + 1 if len(seq) else 0
         self._check_int32(**{name: pos})
         if pos < 0:
             raise InvalidArgument(f"{name} must be >= 0, got {pos}")
-        if expected is not None and pos != expected:
-            raise FailedPrecondition(
-                f"{name} = {pos} but the sequence holds positions [{seq.pos_min}, {seq.pos_max}]; "
-                f"the next position is {expected}"
-            )
+        if pos != expected:
+            held = f"holds positions [{seq.pos_min}, {seq.pos_max}]" if len(seq) else "is empty"
+            raise FailedPrecondition(f"{name} = {pos} but the sequence {held}; the next position is {expected}")
         if pos + n > self.n_ctx_seq:
             raise OutOfRange(
                 f"positions [{pos}, {pos + n}) exceed the context of a sequence (n_ctx_seq = {self.n_ctx_seq})"
@@ -344,8 +347,15 @@ class WorkerEngine:
         ck = self._get_checkpoint(handle)
         seq_id = ck.info.seq_id
         self._kv_rm(seq_id, -1, -1)
+        self.seqs[seq_id].clear()  # the bookkeeping follows the KV at every point, a failed restore included
         if len(ck.tokens):
-            self._kv_restore(seq_id, ck.data)
+            try:
+                self._kv_restore(seq_id, ck.data)
+            except Exception as exc:
+                # llama.cpp empties a sequence it failed to restore; make sure, and say so
+                self._kv_rm(seq_id, -1, -1)
+                raise Internal(f"restoring checkpoint {handle} failed ({type(exc).__name__}: {exc}); "
+                               f"seq {seq_id} is now empty and the checkpoint is kept") from exc
         self.seqs[seq_id] = ck.tokens.copy()
         if drop:
             self.checkpoint_drop(handle)

@@ -45,3 +45,13 @@ class Internal(SpecdError):
 
 class DeadlineExceeded(SpecdError):
     code = "DEADLINE_EXCEEDED"
+
+
+class Aborted(SpecdError):
+    code = "ABORTED"
+
+
+class WorkerRestarted(Unavailable):
+    """The worker answering is another process than the one the router
+    attached to: every sequence it held is gone. Clients that cannot be moved
+    to another worker see UNAVAILABLE."""

@@ -5,7 +5,10 @@ port files; readiness is the router's gRPC health saying SERVING.
 Security flags pass through as extra arguments: `worker_args` (both workers,
 e.g. --tls-cert/--tls-key/--tls-ca), `router_args` (--worker-tls-*,
 --api-key-file, the router's own --tls-*). When the router serves TLS, give
-`router_credentials` so the readiness check can reach its health service."""
+`router_credentials` so the readiness check can reach its health service.
+`api_key_file` locks all three with one key file, as one Secret mounted into
+every pod: clients need a key, and the router presents the first key to the
+workers, which refuse any call without it."""
 from __future__ import annotations
 
 import os
@@ -39,6 +42,15 @@ class ClusterSpec:
     metrics: bool = False  # give every process a /metrics port (cluster.metrics_ports)
     n_targets: int = 1  # target workers: "target", "target2", ...
     router_credentials: grpc.ChannelCredentials | None = None  # a router serving TLS: how to reach its health
+    # the router's OpenAI-compatible HTTP API on a free port (cluster.http_url);
+    # off otherwise, so that clusters side by side do not all take 8080
+    http: bool = False
+    http_port: int = 0  # with http: this port (0: a free one)
+    api_key_file: str = ""  # --api-key-file of all three processes (the router presents its first key)
+    # start the target without waiting for the draft to serve, as Kubernetes
+    # starts pods: each worker then times its decodes while the other loads
+    # and times its own (the router's cost model must survive that)
+    start_together: bool = False
 
 
 class ProcessDied(RuntimeError):
@@ -69,6 +81,8 @@ def die_with_parent() -> None:
 class Proc:
     def __init__(self, name: str, args: list[str], workdir: pathlib.Path):
         self.name = name
+        self.args = args
+        self.workdir = workdir
         self.port_file = workdir / f"{name}.port"
         self.log_path = workdir / f"{name}.log"
         self.port_file.unlink(missing_ok=True)  # a reused workdir's old port file would name a dead port
@@ -135,6 +149,7 @@ class Cluster:
         self.procs: dict[str, Proc] = {}
         self.router_address = ""
         self.metrics_ports: dict[str, int] = {}
+        self.http_port = 0
 
     def _metrics_args(self, name: str) -> list[str]:
         if not self.spec.metrics:
@@ -142,10 +157,13 @@ class Cluster:
         self.metrics_ports[name] = free_port(self.spec.host)
         return ["--metrics-port", str(self.metrics_ports[name]), "--host", self.spec.host]
 
+    def _key_args(self) -> list[str]:
+        return ["--api-key-file", self.spec.api_key_file] if self.spec.api_key_file else []
+
     def _worker_args(self, role: str, threads: int, name: str = "") -> list[str]:
         s = self.spec
         return [role, "--host", s.host, "--port", "0", "--threads", str(threads), "--n-ctx", str(s.n_ctx),
-                "--n-seq", str(s.n_seq), *self._metrics_args(name or role), *s.worker_args]
+                "--n-seq", str(s.n_seq), *self._metrics_args(name or role), *self._key_args(), *s.worker_args]
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         s = self.spec
@@ -157,7 +175,7 @@ class Cluster:
                 src = ["--ngram", s.ngram] if s.ngram else ["--model", s.draft_model]
                 self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *src, *s.draft_args], self.workdir)
                 draft_addr = f"{s.host}:{self.procs['draft'].wait_port(deadline)}"
-                if s.target_threads_batch > s.target_threads:
+                if s.target_threads_batch > s.target_threads and not s.start_together:
                     # the target times its batches on the draft's cores too
                     # when it loads: not while the draft loads and times its own
                     wait_serving(draft_addr, deadline, list(self.procs.values()))
@@ -166,8 +184,10 @@ class Cluster:
                                          "--threads-batch", str(s.target_threads_batch)],
                                         self.workdir)
             target_addr = ",".join(f"{s.host}:{self.procs[n].wait_port(deadline)}" for n in names)
+            self.http_port = (s.http_port or free_port(s.host)) if s.http else 0
             args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr,
-                    *self._metrics_args("router"), *s.router_args]
+                    "--http-port", str(self.http_port),
+                    *self._metrics_args("router"), *self._key_args(), *s.router_args]
             if draft_addr:
                 args += ["--draft", draft_addr]
             self.procs["router"] = Proc("router", args, self.workdir)
@@ -177,6 +197,26 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def restart(self, name: str, sig: int = signal.SIGKILL, timeout: float = 120.0) -> None:
+        """Kill one worker with `sig` and start it again on the same port (as
+        a process manager or Kubernetes would); return once it serves."""
+        old = self.procs[name]
+        port = int(old.port_file.read_text())
+        old.popen.send_signal(sig)
+        old.popen.wait()
+        old.stop()
+        args = list(old.args)
+        args[args.index("--port") + 1] = str(port)
+        self.procs[name] = Proc(name, args, old.workdir)
+        deadline = time.monotonic() + timeout
+        self.procs[name].wait_port(deadline)
+        wait_serving(f"{self.spec.host}:{port}", deadline, [self.procs[name]])
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the router's HTTP API (an openai client's base_url is this + "/v1")."""
+        return f"http://{self.spec.host}:{self.http_port}" if self.http_port else ""
 
     def stop(self) -> dict[str, int]:
         codes = {}

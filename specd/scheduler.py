@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from specd.errors import Unavailable
+from specd.config import MAX_QUEUED_OPS, MAX_STREAM_OPS
+from specd.errors import ResourceExhausted, Unavailable
 
 log = logging.getLogger("specd.worker")
 
@@ -87,6 +88,18 @@ def take_window(queue: collections.deque, key: Callable[[Any], tuple[str, int | 
     return w
 
 
+@dataclass(frozen=True)
+class QueueBounds:
+    """How many operations a worker holds for its callers."""
+
+    queued_ops: int = MAX_QUEUED_OPS  # waiting for a round, all streams together
+    stream_ops: int = MAX_STREAM_OPS  # of one Execute stream, not answered yet
+
+    @classmethod
+    def of(cls, cfg) -> "QueueBounds":
+        return cls(queued_ops=cfg.max_queued_ops, stream_ops=cfg.max_stream_ops)
+
+
 class EngineRunner:
     """Runs engine calls one at a time.
 
@@ -117,6 +130,15 @@ class EngineRunner:
                 return fn(self.engine, request)
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.engine, request)
 
+    async def run_beside(self, fn: Callable[[Any, Any], Any], request) -> Any:
+        """Calls that only read the model's vocabulary (tokenize, detokenize)
+        run on another thread beside the engine's rounds, as llama-server
+        tokenizes on its HTTP threads: a request's text is not held up by
+        another session's long prompt."""
+        if self.engine is None:
+            raise Unavailable("the worker is still loading its model")
+        return await asyncio.get_running_loop().run_in_executor(None, fn, self.engine, request)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -126,14 +148,15 @@ class Scheduler:
 
     `run_round(engine, window)` returns one result per `window.items`;
     `key(op)` classifies an operation (see op_key), `n_tokens(op)` counts
-    what it decodes.
+    what it decodes. At most `max_queued` operations wait for a round.
     """
 
     RECENT = 1.0  # seconds a sequence counts as active after its last operation
 
     def __init__(self, runner: EngineRunner, run_round, key, n_tokens,
-                 gather_max: float = 0.010, gather_factor: float = 0.2):
+                 gather_max: float = 0.010, gather_factor: float = 0.2, max_queued: int = MAX_QUEUED_OPS):
         self.runner = runner
+        self.max_queued = max_queued
         self.gather_max = gather_max
         self.gather_factor = gather_factor
         self._last_batches: collections.deque = collections.deque(maxlen=2)  # sequences of the last rounds' batches
@@ -149,7 +172,14 @@ class Scheduler:
         self.batched_ops = 0
 
     def submit(self, op) -> asyncio.Future:
+        """The future of `op`'s result. Past max_queued it has already failed
+        with ResourceExhausted: the caller answers it in its place in the
+        stream, and nothing queued is touched."""
         fut = asyncio.get_running_loop().create_future()
+        if len(self.queue) >= self.max_queued:
+            fut.set_exception(ResourceExhausted(
+                f"the worker's queue is full: {len(self.queue)} operations wait (max_queued_ops = {self.max_queued})"))
+            return fut
         self.queue.append((op, fut))
         self._wake.set()
         if self._task is None or self._task.done():

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any, Callable
 
 import grpc
 
 from specd.engine import CheckpointInfo, ModelInfo, SeqState
 from specd.errors import SpecdError, Unimplemented
-from specd.sampling import Sampling
-from specd.scheduler import EngineRunner, Scheduler, Window, op_key
+from specd.sampling import Sampling, TokenDist, dist_of
+from specd.scheduler import EngineRunner, QueueBounds, Scheduler, Window, op_key
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specd.worker")
+
+# Execute metadata: the instance the caller attached to (worker.proto)
+INSTANCE_KEY = "specd-instance-id"
 
 
 # ------------------------------------------------------------------ converters
@@ -41,12 +45,26 @@ def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
         n_threads_batch=i.n_threads_batch or i.n_threads,
         decode_costs_shared=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs_shared],
         prompt_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.prompt_costs],
+        instance_id=i.instance_id,
     )
 
 
 def sampling_from_pb(s: pb.SamplingParams) -> Sampling:
     # proto3 defaults: top_p 0 means "unset" = 1.0 (disabled)
     return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p, seed=s.seed)
+
+
+def dist_pb(d: TokenDist) -> pb.TokenDistribution:
+    return pb.TokenDistribution(ids=d.ids.tolist(), probs=d.probs.tolist())
+
+
+def dist_from_pb(d: pb.TokenDistribution) -> TokenDist:
+    return dist_of(d.ids, d.probs)
+
+
+def propose_sampling(r: pb.ProposeRequest) -> tuple[Sampling | None, int]:
+    """(sampling, sample_index) of a Propose: None when the draft should not sample."""
+    return (sampling_from_pb(r.sampling) if r.HasField("sampling") else None), r.sample_index
 
 
 # ------------------------------------------------------------------ operations
@@ -59,7 +77,8 @@ def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
     if not hasattr(e, "verify"):
         raise Unimplemented("Verify is served by the target worker only")
     e.share_cores(r.draft_busy)
-    res = e.verify(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim)
+    res = e.verify(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim,
+                   [dist_from_pb(d) for d in r.draft_q])
     return pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state),
                              compute_seconds=res.compute_seconds)
 
@@ -67,8 +86,9 @@ def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
 def _propose(e, r: pb.ProposeRequest) -> pb.ProposeResponse:
     if not hasattr(e, "propose"):
         raise Unimplemented("Propose is served by the draft worker only")
-    res = e.propose(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min)
-    return pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds)
+    res = e.propose(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min, *propose_sampling(r))
+    return pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds,
+                              q=[dist_pb(d) for d in res.q])
 
 
 def _clear(e, r):
@@ -104,10 +124,11 @@ def _steps(kind: str, e, r):
     if kind == "verify":
         if not hasattr(e, "verify_steps"):
             raise Unimplemented("Verify is served by the target worker only")
-        return e.verify_steps(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim)
+        return e.verify_steps(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim,
+                              [dist_from_pb(d) for d in r.draft_q])
     if not hasattr(e, "propose_steps"):
         raise Unimplemented("Propose is served by the draft worker only")
-    return e.propose_steps(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min)
+    return e.propose_steps(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min, *propose_sampling(r))
 
 
 def _result_pb(kind: str, res) -> pb.WorkerResult:
@@ -118,7 +139,7 @@ def _result_pb(kind: str, res) -> pb.WorkerResult:
     if kind == "propose":
         return pb.WorkerResult(propose=pb.ProposeResponse(
             tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds,
-            batch_tokens=res.batch_tokens, batch_seconds=res.batch_seconds))
+            batch_tokens=res.batch_tokens, batch_seconds=res.batch_seconds, q=[dist_pb(d) for d in res.q]))
     return pb.WorkerResult(state=state_pb(res))
 
 
@@ -162,9 +183,9 @@ def op_tokens(op: pb.WorkerOp) -> int:
     return 0
 
 
-async def _unary(runner: EngineRunner, fn, request, context: grpc.aio.ServicerContext):
+async def _unary(runner: EngineRunner, fn, request, context: grpc.aio.ServicerContext, beside: bool = False):
     try:
-        return await runner.run(fn, request)
+        return await (runner.run_beside(fn, request) if beside else runner.run(fn, request))
     except SpecdError as exc:
         await context.abort(grpc.StatusCode[exc.code], exc.message)
     except Exception as exc:  # a bug must not take the worker down
@@ -190,13 +211,17 @@ def _execute_one(engine, op: pb.WorkerOp) -> pb.WorkerResult:
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runner: EngineRunner, batch_wait: float = 0.010):
+    def __init__(self, runner: EngineRunner, batch_wait: float = 0.010, bounds: QueueBounds = QueueBounds()):
         self.runner = runner
         self.batch_wait = batch_wait
+        self.bounds = bounds
         self.scheduler: Scheduler | None = None  # made on first use, on the server's event loop
+        self.instance_id = uuid.uuid4().hex
 
     async def GetModelInfo(self, request, context):
-        return await _unary(self.runner, lambda e, r: model_info_pb(e.info()), request, context)
+        info = await _unary(self.runner, lambda e, r: model_info_pb(e.info()), request, context)
+        info.instance_id = self.instance_id
+        return info
 
     async def Decode(self, request, context):
         return await _unary(self.runner, OPS["decode"][0], request, context)
@@ -231,7 +256,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 raise Unimplemented("this worker has no vocabulary")
             return pb.TokenizeResponse(tokens=e.tokenize(r.text, r.add_special, r.parse_special))
 
-        return await _unary(self.runner, fn, request, context)
+        return await _unary(self.runner, fn, request, context, beside=True)
 
     async def Detokenize(self, request, context):
         def fn(e, r):
@@ -239,13 +264,29 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 raise Unimplemented("this worker has no vocabulary")
             return pb.DetokenizeResponse(text=e.detokenize(r.tokens))
 
+        return await _unary(self.runner, fn, request, context, beside=True)
+
+    async def ApplyChatTemplate(self, request, context):
+        def fn(e, r):
+            if not hasattr(e, "apply_chat_template"):
+                raise Unimplemented("this worker has no model, hence no chat template")
+            text = e.apply_chat_template([(m.role, m.content) for m in r.messages], r.add_generation_prompt)
+            # as llama-server tokenizes a rendered chat: BOS as the model asks, special tokens parsed
+            return pb.ApplyChatTemplateResponse(text=text, tokens=e.tokenize(text, True, True))
+
         return await _unary(self.runner, fn, request, context)
 
     async def Execute(self, request_iterator, context):
         """Ops go to the shared scheduler as they arrive (so they can batch with
         other streams' and sequences'); results go back in this stream's order."""
+        expected = dict(context.invocation_metadata() or ()).get(INSTANCE_KEY)
+        if expected is not None and expected != self.instance_id:
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"this worker is instance {self.instance_id}, not {expected}: it restarted and "
+                                f"holds none of the sequences the caller knew")
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens, gather_max=self.batch_wait)
+            self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens, gather_max=self.batch_wait,
+                                       max_queued=self.bounds.queued_ops)
         results: asyncio.Queue = asyncio.Queue()
 
         async def write_results() -> None:
@@ -269,6 +310,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 op = await context.read()
                 if op is grpc.aio.EOF:
                     break
+                if results.qsize() >= self.bounds.stream_ops:
+                    # answers go back in order, so refusing one operation would
+                    # still queue its answer: a caller this far behind its
+                    # results is not reading them, and only ending its stream
+                    # bounds what it holds here
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{results.qsize()} operations of this stream are not answered yet "
+                                        f"(max_stream_ops = {self.bounds.stream_ops}): read the results")
                 results.put_nowait(self.scheduler.submit(op))
             results.put_nowait(None)
             await writer
@@ -276,9 +325,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             writer.cancel()
 
 
-def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str, batch_wait: float = 0.010) -> list[str]:
+def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str, batch_wait: float = 0.010,
+                    bounds: QueueBounds = QueueBounds()) -> list[str]:
     """Add the Worker service and the role's own service; return their names."""
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, batch_wait), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, batch_wait, bounds), server)
     names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
     if role == "target":
         pb_grpc.add_TargetWorkerServicer_to_server(TargetServicer(runner), server)
@@ -308,12 +358,16 @@ class DraftServicer(pb_grpc.DraftWorkerServicer):
 async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
     """Listen (NOT_SERVING), load the engine, serve until SIGTERM."""
     from specd.metrics import WorkerPrometheus
-    from specd.security import server_credentials_of
+    from specd.security import server_credentials_of, worker_interceptors
     from specd.server import run_until_stopped, start_metrics, start_server
 
     runner = EngineRunner()
-    life = await start_server(cfg.host, cfg.port, lambda s: register_worker(s, runner, cfg.role, cfg.batch_wait_ms / 1e3), cfg.port_file,
-                              credentials=server_credentials_of(cfg))
+
+    def register(server):
+        return register_worker(server, runner, cfg.role, cfg.batch_wait_ms / 1e3, QueueBounds.of(cfg))
+
+    life = await start_server(cfg.host, cfg.port, register, cfg.port_file,
+                              credentials=server_credentials_of(cfg), interceptors=worker_interceptors(cfg))
     metrics = WorkerPrometheus()
     start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
     life.install_signal_handlers()

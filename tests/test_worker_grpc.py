@@ -240,6 +240,30 @@ def test_bad_verify_and_wrong_position(target):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in msg
 
 
+def test_an_empty_sequence_takes_position_0_only(target):
+    """A router that believes the worker holds a prefix it lost (a restart)
+    must be refused, not have its tokens decoded without their context."""
+    w = target[0]
+    code, msg = code_of(w.Decode, pb.DecodeRequest(seq_id=1, pos=7, tokens=[4, 5]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "is empty" in msg and "next position is 0" in msg
+    code, _ = code_of(target[1].Verify, pb.VerifyRequest(seq_id=1, pos=3, tokens=[4]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=1)).n_tokens == 0
+
+
+def test_a_stream_meant_for_another_worker_process_is_refused(target):
+    w = target[0]
+    info = w.GetModelInfo(pb.GetModelInfoRequest())
+    assert len(info.instance_id) >= 16 and info.instance_id == w.GetModelInfo(pb.GetModelInfoRequest()).instance_id
+    ops = [pb.WorkerOp(decode=pb.DecodeRequest(seq_id=0, pos=0, tokens=[1, 2]))]
+    with pytest.raises(grpc.RpcError) as err:
+        list(w.Execute(iter(ops), metadata=(("specd-instance-id", "an-older-process"),), timeout=30))
+    assert err.value.code() == grpc.StatusCode.ABORTED and "restarted" in err.value.details()
+    assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0)).n_tokens == 0  # nothing ran
+    ok = list(w.Execute(iter(ops), metadata=(("specd-instance-id", info.instance_id),), timeout=30))
+    assert ok[0].state.n_tokens == 2
+
+
 def test_execute_pipeline_keeps_order_and_reports_errors(target):
     w = target[0]
     ops = [

@@ -1,0 +1,134 @@
+"""Workers killed and restarted under the router (SIGKILL, same port, as a
+process manager or Kubernetes restarts them): every request gets the answer
+the target alone gives, or a clear gRPC status; never other text. A
+restarted worker holds no sequence, so nothing the router cached for it may
+be trusted (issue: a prompt-cache hit on a restarted target served text
+decoded without its prefix)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from specd.client import RouterClient
+from tests.conftest import PROMPTS
+
+# clear statuses a request may end with while a worker is down or restarting
+CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def test_a_target_restarted_while_idle_gives_the_same_answer_from_the_prompt_cache(cluster_factory):
+    c = cluster_factory(n_ctx=512, n_seq=2)
+    prompt = PROMPTS[3]
+    with RouterClient(c.router_address, timeout=120) as client:
+        first = client.generate(prompt, max_tokens=24)
+        c.restart("target")
+        again = client.generate(prompt, max_tokens=24)
+        assert again.tokens == first.tokens
+        assert again.n_cached == 0  # the cache entry died with the process
+        assert "restarted" in c.procs["router"].log_path.read_text()
+        # the draft restarted while idle: same answer, and drafting goes on
+        c.restart("draft")
+        after_draft = [client.generate(prompt, max_tokens=24) for _ in range(3)]
+        assert all(a.tokens == first.tokens for a in after_draft)
+        assert after_draft[-1].speculative and after_draft[-1].n_accepted > 0
+
+
+def test_sessions_survive_or_fail_cleanly_while_target_and_draft_restart(cluster_factory):
+    c = cluster_factory(n_ctx=512, n_seq=4)
+    prompts = [", ".join(str(i) for i in range(1, 16)) + ",", *PROMPTS[:5]]
+    with RouterClient(c.router_address, timeout=120) as client:
+        alone = {p: client.generate(p, max_tokens=40, speculative=False).tokens for p in prompts}
+
+    stop = threading.Event()
+    outcomes: list[tuple[str, object]] = []  # (prompt, tokens or status code)
+
+    def session(i: int) -> None:
+        with RouterClient(c.router_address, timeout=120) as cl:
+            k = i
+            while not stop.is_set():
+                p = prompts[k % len(prompts)]
+                k += 1
+                try:
+                    outcomes.append((p, cl.generate(p, max_tokens=40).tokens))
+                except grpc.RpcError as err:
+                    outcomes.append((p, err.code()))
+                    time.sleep(0.2)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for names in (["target"], ["draft"], ["target", "draft"]):
+            time.sleep(3)
+            for name in names:
+                c.restart(name)
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+
+    wrong = [(p, got) for p, got in outcomes if isinstance(got, list) and got != alone[p]]
+    assert not wrong, f"{len(wrong)} answers differ from the target alone: {wrong[:2]}"
+    unclear = {got for _, got in outcomes if not isinstance(got, list)} - CLEAR
+    assert not unclear, f"statuses other than UNAVAILABLE/DEADLINE_EXCEEDED: {unclear}"
+    assert sum(isinstance(got, list) for _, got in outcomes) >= 8
+    # once both are back, sessions are served in full, with drafting
+    with RouterClient(c.router_address, timeout=120) as client:
+        for _ in range(60):
+            try:
+                done = [client.generate(p, max_tokens=40) for p in prompts[:3]]
+                break
+            except grpc.RpcError:
+                time.sleep(1)
+        assert [d.tokens for d in done] == [alone[p] for p in prompts[:3]]
+        assert all(d.speculative for d in done) and sum(d.n_accepted for d in done) > 0
+
+
+def test_one_slow_operation_fails_its_own_session_alone(cluster_factory):
+    """A prompt whose prefill takes longer than --worker-timeout fails with
+    DEADLINE_EXCEEDED; a short request sent beside it, whose operations wait
+    behind that prefill on the same worker stream, gets its full answer."""
+    c = cluster_factory(n_ctx=2048, n_seq=2, router_args=["--worker-timeout", "1"])
+    short = PROMPTS[0]
+    with RouterClient(c.router_address, timeout=120) as client:
+        alone = client.generate(short, max_tokens=8).tokens
+        text = " ".join(PROMPTS) * 40
+        long_prompt = client.tokenize(text)[:1900]
+        outcome: dict[str, object] = {}
+
+        def long_request() -> None:
+            try:
+                outcome["long"] = client.generate(long_prompt, max_tokens=4)
+            except grpc.RpcError as err:
+                outcome["long"] = err.code()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.3)  # the long prefill is on the worker
+        got = client.generate(short, max_tokens=8)
+        t.join(timeout=120)
+        assert got.tokens == alone
+        assert outcome["long"] == grpc.StatusCode.DEADLINE_EXCEEDED
+        # the stream and the worker serve on
+        assert client.generate(short, max_tokens=8).tokens == alone
+
+
+def test_short_lookaheads_with_n_min_keep_the_draft_on(cluster_factory):
+    """With overlap the draft continues past the drafts while the target
+    verifies; a continuation cut short by p_min leaves fewer drafts than
+    n_min, and the next step must draft anew from what the draft holds (it
+    once sent a Propose the draft refused, and the session lost its draft)."""
+    from specd.client import collect, make_request
+
+    c = cluster_factory(n_ctx=512, n_seq=2)
+    with RouterClient(c.router_address, timeout=120) as client:
+        for prompt in PROMPTS[:6]:
+            alone = client.generate(prompt, max_tokens=48, speculative=False).tokens
+            req = make_request(prompt, max_tokens=48)
+            req.speculative.n_min, req.speculative.p_min = 2, 0.9
+            got = collect(client.stub.Generate(req, timeout=120))
+            assert got.tokens == alone
+    assert "draft worker failed" not in c.procs["router"].log_path.read_text()
