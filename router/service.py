@@ -8,11 +8,12 @@ import time
 
 import grpc
 
+from router.chat import chat_prompt, messages_of_pb
 from router.engine import GenParams, Result, Router
 from router.limits import Limits
 from router.text import TextAssembler
 from specd.errors import InvalidArgument, SpecdError, Unavailable
-from specd.sampling import Sampling
+from specd.sampling import EXACT, REJECTION, Sampling
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
 from specd.v1 import worker_pb2 as wpb
@@ -27,6 +28,14 @@ def _sampling(s: wpb.SamplingParams) -> Sampling:
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
     # proto3 zero means unset: top_p 0 -> 1.0 (off)
     return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p, seed=seed)
+
+
+def _acceptance(value: int) -> str | None:
+    """SpeculativeParams.acceptance as GenParams.acceptance."""
+    names = {rpb.ACCEPTANCE_UNSPECIFIED: None, rpb.ACCEPTANCE_EXACT: EXACT, rpb.ACCEPTANCE_REJECTION: REJECTION}
+    if value not in names:
+        raise InvalidArgument(f"speculative.acceptance: unknown value {value}")
+    return names[value]
 
 
 def finish_pb(res: Result) -> rpb.Finish:
@@ -58,12 +67,17 @@ class RouterServicer(rpb_grpc.RouterServicer):
     async def _params(self, r: rpb.GenerateRequest) -> GenParams:
         which = r.WhichOneof("input")
         if which is None:
-            raise InvalidArgument("prompt: set `prompt` (text) or `prompt_tokens`")
+            raise InvalidArgument("prompt: set `prompt` (text), `prompt_tokens` or `messages`")
+        self.limits.check_stops(r.stop)
         if which == "prompt":
             if not r.prompt:
                 raise InvalidArgument("prompt must not be empty")
+            self.limits.check_prompt_text("prompt", [r.prompt], self.router.n_ctx)
             add_special = r.add_special if r.HasField("add_special") else True
             tokens = await self.router.target.tokenize(r.prompt, add_special, True)
+        elif which == "messages":
+            self.limits.check_prompt_text("messages", (m.content for m in r.messages.messages), self.router.n_ctx)
+            tokens = await chat_prompt(self.router, messages_of_pb(r.messages))
         else:
             tokens = list(r.prompt_tokens.ids)
             if not tokens:
@@ -78,11 +92,25 @@ class RouterServicer(rpb_grpc.RouterServicer):
             n_min=spec.n_min if spec.HasField("n_min") else None,
             p_min=spec.p_min if spec.HasField("p_min") else None,
             adaptive=spec.adaptive if spec.HasField("adaptive") else None,
+            acceptance=_acceptance(spec.acceptance),
             context_shift=r.context_shift,
             n_keep=r.n_keep,
         )
 
     async def Generate(self, request, context):
+        try:
+            async with contextlib.aclosing(self.generate(request, "grpc")) as stream:
+                async for msg in stream:
+                    yield msg
+        except SpecdError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    async def generate(self, request: rpb.GenerateRequest, protocol: str):
+        """Generate without its transport: GenerateResponse messages, failures
+        raised as SpecdError. The gRPC and HTTP APIs are thin layers over it;
+        `protocol` labels the request in the metrics."""
         t0 = time.perf_counter()
         outcome = "ok"
         res = Result()
@@ -93,7 +121,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
             params = await limits.within(self._params(request), deadline)
             limits.apply(params, self.router)
             text = TextAssembler(list(request.stop))
-            last = None
+            last, n_streamed = None, 0
             async with contextlib.aclosing(self.router.generate(params, res)) as steps:
                 while True:
                     # request_timeout bounds each step; the time spent writing to
@@ -110,24 +138,26 @@ class RouterServicer(rpb_grpc.RouterServicer):
                             for _ in step.tokens:
                                 self.metrics.itl.observe((now - last) / len(step.tokens))
                     last = now
-                    delta = text.feed(b"".join(step.pieces))
-                    yield rpb.GenerateResponse(text=delta, token_ids=step.tokens)
+                    # a step may run past the token completing a stop string;
+                    # target-only decoding stops at it, so the tokens end there
+                    fed = text.feed_pieces(step.pieces)
+                    n_streamed += fed.n_tokens
+                    yield rpb.GenerateResponse(text=fed.text, token_ids=step.tokens[:fed.n_tokens])
                     if text.stopped:
-                        res.reason = "stop"
+                        res.reason, res.n_generated = "stop", n_streamed
                         break
             yield rpb.GenerateResponse(text=text.flush(), finish=finish_pb(res))
         except SpecdError as exc:
             outcome = exc.code.lower()
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            raise
         except BaseException as exc:
             outcome = "cancelled" if isinstance(exc, GeneratorExit) or "Cancel" in type(exc).__name__ else "error"
             if outcome == "error":
                 log.exception("Generate failed")
-                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             raise
         finally:
             if self.metrics is not None:
-                self.metrics.requests.labels(outcome=outcome).inc()
+                self.metrics.requests.labels(outcome=outcome, protocol=protocol).inc()
                 self.metrics.e2e.observe(time.perf_counter() - t0)
                 self.metrics.prompt_tokens.inc(res.n_prompt)
                 self.metrics.generation_tokens.inc(res.n_generated)
@@ -135,6 +165,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
     async def Tokenize(self, request, context):
         try:
             self._check_ready()
+            self.limits.check_prompt_text("text", [request.text], self.router.n_ctx)
             tokens = await self.router.target.tokenize(request.text, request.add_special, request.parse_special)
         except SpecdError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)

@@ -4,6 +4,15 @@ known not to be one."""
 from __future__ import annotations
 
 import codecs
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What feeding a step's token pieces gave."""
+
+    text: str  # safe to show now
+    n_tokens: int  # pieces used: all of them, or up to the one that completed a stop string
 
 
 class TextAssembler:
@@ -14,12 +23,23 @@ class TextAssembler:
         self._pending = ""
         self.stopped = False
 
+    def feed_pieces(self, pieces: list[bytes]) -> Fed:
+        """Add one step's token pieces one token at a time, so that the token
+        completing a stop string is known: it is the last one used. Decoding
+        one token at a time is what target-only decoding does, so both modes
+        stop at the same token."""
+        out: list[str] = []
+        while len(out) < len(pieces) and not self.stopped:
+            out.append(self.feed(pieces[len(out)]))
+        return Fed("".join(out), len(out))
+
     def feed(self, data: bytes) -> str:
         """Add bytes; return the text that is safe to show now."""
         if self.stopped:
             return ""
+        searched = len(self._pending)
         self._pending += self._decoder.decode(data)
-        cut = self._first_stop()
+        cut = self._first_stop(searched)
         if cut >= 0:
             out, self._pending, self.stopped = self._pending[:cut], "", True
             return out
@@ -35,6 +55,9 @@ class TextAssembler:
         out, self._pending = self._pending, ""
         return out
 
-    def _first_stop(self) -> int:
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+    def _first_stop(self, searched: int) -> int:
+        """Where the earliest stop string starts, or -1. The first `searched`
+        characters held no stop string before this feed, so a new match ends
+        after them: each stop is looked for from its length before that."""
+        hits = [i for i in (self._pending.find(s, max(0, searched - len(s) + 1)) for s in self.stops) if i >= 0]
         return min(hits) if hits else -1

@@ -9,6 +9,25 @@ import os
 from dataclasses import dataclass, fields
 
 
+# Limits against unbounded work from one request or caller, each defined here
+# once (the config fields, the flags and the objects enforcing them read these).
+# Stop strings: OpenAI's API takes 4; a few more leave room for chat templates'
+# end markers, and each step scans every one of them.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters
+# Prompt text is tokenized before its tokens can be counted, under the target's
+# engine lock: text longer than this many bytes per token of the prompt limit
+# is refused first. Text averages a few bytes per token; this leaves room for
+# runs of whitespace and other long tokens.
+PROMPT_BYTES_PER_TOKEN = 32
+# Worker: operations waiting for a round, all Execute streams together, and
+# operations of one stream not answered yet. The router sends every session's
+# operations on one stream, a few per session at most, and llama.cpp hosts at
+# most 256 sequences.
+MAX_QUEUED_OPS = 8192
+MAX_STREAM_OPS = 2048
+
+
 def env_name(flag: str) -> str:
     return "SPECD_" + flag.lstrip("-").replace("-", "_").upper()
 
@@ -59,6 +78,8 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # API keys every call must carry (a file, one key a line; empty: none)
+    api_key_file: str = ""
 
 
 @dataclass
@@ -78,6 +99,8 @@ class WorkerConfig(ServerConfig):
     max_checkpoint_bytes: int = 1 << 30
     calibrate: bool = True
     batch_wait_ms: float = 10.0
+    max_queued_ops: int = MAX_QUEUED_OPS
+    max_stream_ops: int = MAX_STREAM_OPS
 
 
 @dataclass
@@ -100,12 +123,18 @@ class RouterConfig(ServerConfig):
     worker_tls_key: str = ""
     worker_tls_ca: str = ""
     worker_tls_server_name: str = ""
-    # public API: authentication and limits
-    api_key_file: str = ""
+    # file whose first key the router presents to its workers (empty: the first of api_key_file)
+    worker_api_key_file: str = ""
+    # public API: limits
     max_prompt_tokens: int = 0
     max_tokens_limit: int = 0
     max_message_bytes: int = 4 << 20
     request_timeout: float = 0.0
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_length: int = MAX_STOP_LENGTH
+    max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN per token of the prompt limit
+    # the OpenAI-compatible HTTP API (router/http.py); 0: off
+    http_port: int = 8080
 
 
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
@@ -120,6 +149,8 @@ def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     add(p, "--tls-key", str, "", "PEM private key of --tls-cert")
     add(p, "--tls-ca", str, "", "PEM CA file: require client certificates signed by it (mTLS); "
         "gRPC health probes then need a client certificate too")
+    add(p, "--api-key-file", str, "", "file of API keys, one a line; every call must then carry "
+        "`authorization: Bearer KEY` or `x-api-key: KEY` (health checks excepted; on the router, reflection too)")
 
 
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -144,6 +175,10 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     add(p, "--calibrate", bool, True, "time decode batches at load (the router's prior for adaptive speculation)")
     add(p, "--batch-wait-ms", float, 10.0, "longest wait (and at most a fifth of the last batch's time) for the "
         "last batch's sequences to send their next operation, so they batch together (0: never wait)")
+    add(p, "--max-queued-ops", at_least(1), MAX_QUEUED_OPS, "operations waiting for a round, all streams "
+        "together; past it an operation is answered RESOURCE_EXHAUSTED")
+    add(p, "--max-stream-ops", at_least(1), MAX_STREAM_OPS, "operations of one Execute stream not answered yet; "
+        "past it the stream ends with RESOURCE_EXHAUSTED (its caller is not reading its results)")
 
 
 def add_router_flags(p: argparse.ArgumentParser) -> None:
@@ -167,13 +202,19 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--worker-tls-ca", str, "", "PEM CA file the workers' certificates are verified against "
         "(any --worker-tls-* flag turns TLS on; no CA: the system roots)")
     add(p, "--worker-tls-server-name", str, "", "name expected in the workers' certificates when it is not their host")
-    add(p, "--api-key-file", str, "", "file of API keys, one a line; every Router call must then carry "
-        "`authorization: Bearer KEY` or `x-api-key: KEY`")
+    add(p, "--worker-api-key-file", str, "", "file whose first key is presented to workers started with "
+        "--api-key-file; unset: the first key of --api-key-file")
     add(p, "--max-prompt-tokens", int, 0, "largest prompt in tokens (0: the context size)")
     add(p, "--max-tokens-limit", int, 0, "largest max_tokens of a request; also caps requests that leave it unset (0: none)")
     add(p, "--max-message-bytes", int, 4 << 20, "largest request message in bytes (gRPC answers RESOURCE_EXHAUSTED)")
     add(p, "--request-timeout", float, 0.0, "longest a Generate may run in seconds (0: no limit; "
         "the client's own gRPC deadline always applies)")
+    add(p, "--max-stop-strings", at_least(0), MAX_STOP_STRINGS, "most stop strings in one request")
+    add(p, "--max-stop-length", at_least(1), MAX_STOP_LENGTH, "longest stop string in characters")
+    add(p, "--max-prompt-bytes", at_least(0), 0, "largest prompt text in UTF-8 bytes, refused before it is "
+        f"tokenized (0: {PROMPT_BYTES_PER_TOKEN} per token of --max-prompt-tokens, or of the context)")
+    add(p, "--http-port", int, 8080, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health) on --host; same keys, limits and TLS as gRPC (0: off)")
 
 
 def build(cls, args: argparse.Namespace, **extra):

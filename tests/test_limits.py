@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from router.engine import GenParams
+from router.engine import GenParams, Router
 from router.limits import Limits
+from specd.config import PROMPT_BYTES_PER_TOKEN
+from specd.errors import InvalidArgument
 from specd.client import RouterClient, collect, make_request
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
@@ -82,6 +85,24 @@ def test_max_prompt_tokens(limited):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_tokens" in err.details()
     with RouterClient(limited.router_address, timeout=60) as client:  # the limit itself is allowed
         assert client.generate([42] * MAX_PROMPT, max_tokens=2).n_prompt == MAX_PROMPT
+    still_serves(limited.router_address)
+
+
+def test_prompt_text_is_bounded_before_it_is_tokenized(limited):
+    # max_prompt_bytes defaults to PROMPT_BYTES_PER_TOKEN per token of max_prompt_tokens: the
+    # refusal names the byte bound, so it came before tokenizing (counting tokens names max_prompt_tokens)
+    cap = PROMPT_BYTES_PER_TOKEN * MAX_PROMPT
+    err = refused(limited.router_address, make_request("é" * (cap // 2 + 1), max_tokens=4))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("prompt:") and f"max_prompt_bytes = {cap}" in err.details()
+    chat = [{"role": "user", "content": "x" * cap}, {"role": "user", "content": "y"}]
+    err = refused(limited.router_address, make_request(chat, max_tokens=4))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("messages:")
+    with RouterClient(limited.router_address, timeout=60) as client:
+        with pytest.raises(grpc.RpcError) as tok:
+            client.tokenize("x" * (cap + 1))
+        assert tok.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_bytes" in tok.value.details()
+        assert client.tokenize("x" * cap)  # the bound itself is allowed
     still_serves(limited.router_address)
 
 
@@ -158,3 +179,30 @@ def test_max_tokens_limit_caps_an_unset_max_tokens():
     assert p.max_tokens == 100
     with pytest.raises(ValueError, match="request_timeout"):
         Limits(request_timeout=-1).check()
+
+
+def test_prompt_length_is_checked_before_its_token_ids():
+    # a prompt longer than the context is refused for its length, before its ids are looked at
+    router = SimpleNamespace(target_info=SimpleNamespace(n_vocab=100), n_ctx=8)
+    with pytest.raises(InvalidArgument, match=r"^prompt has 10 tokens"):
+        Router.validate(router, GenParams(prompt=[1] * 9 + [-1]))
+    with pytest.raises(InvalidArgument, match=r"^prompt_tokens\[2\] = 100 is not in \[0, n_vocab = 100\)"):
+        Router.validate(router, GenParams(prompt=[1, 99, 100, -1]))
+
+
+def test_stop_and_prompt_text_bounds():
+    lim = Limits(max_stop_strings=2, max_stop_length=3, max_prompt_tokens=4)
+    lim.check_stops(["abc", ""])
+    with pytest.raises(InvalidArgument, match=r"^stop: 3 stop strings, more than max_stop_strings = 2"):
+        lim.check_stops(["a", "b", "c"])
+    with pytest.raises(InvalidArgument, match=r"^stop\[1\] has 4 characters, more than max_stop_length = 3"):
+        lim.check_stops(["a", "abcd"])
+    # bytes, not characters: "é" is two; 0 derives the bound from the prompt limit
+    cap = PROMPT_BYTES_PER_TOKEN * 4
+    lim.check_prompt_text("prompt", ["é" * (cap // 2)], n_ctx=N_CTX)
+    with pytest.raises(InvalidArgument, match=rf"^messages: more than max_prompt_bytes = {cap} "):
+        lim.check_prompt_text("messages", ["é" * (cap // 2), "x"], n_ctx=N_CTX)
+    assert Limits().prompt_bytes(N_CTX) == PROMPT_BYTES_PER_TOKEN * N_CTX
+    assert Limits(max_prompt_bytes=10).prompt_bytes(N_CTX) == 10
+    with pytest.raises(ValueError, match="max_stop_length"):
+        Limits(max_stop_length=0).check()
