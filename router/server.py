@@ -6,12 +6,14 @@ import logging
 
 from router.clients import GrpcWorker
 from router.engine import Router, RouterSettings
+from router.http import start_http
 from router.limits import Limits
 from router.service import RouterServicer
 from specd.config import RouterConfig
 from specd.errors import FailedPrecondition, SpecdError
 from specd.metrics import RouterPrometheus
-from specd.security import ApiKeyInterceptor, ConfigError, channel_credentials, load_api_keys, server_credentials_of
+from specd.security import (ApiKeyInterceptor, ConfigError, channel_credentials, load_api_keys,
+                             server_credentials_of, worker_api_key)
 from specd.server import run_until_stopped, start_metrics, start_server
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
@@ -48,8 +50,10 @@ async def serve(cfg: RouterConfig) -> None:
     worker_creds = channel_credentials(cfg.worker_tls_cert, cfg.worker_tls_key, cfg.worker_tls_ca)
     if cfg.worker_tls_server_name and worker_creds is None:
         raise ConfigError("specd router: --worker-tls-server-name needs --worker-tls-ca (or a client certificate)")
+    worker_key = worker_api_key(cfg)
     server_creds = server_credentials_of(cfg)
-    interceptors = [ApiKeyInterceptor(load_api_keys(cfg.api_key_file))] if cfg.api_key_file else None
+    api_keys = load_api_keys(cfg.api_key_file) if cfg.api_key_file else None
+    interceptors = [ApiKeyInterceptor(api_keys)] if api_keys else None
     if cfg.max_message_bytes <= 0:
         raise ConfigError(f"specd router: --max-message-bytes must be > 0, got {cfg.max_message_bytes}")
     try:
@@ -59,7 +63,7 @@ async def serve(cfg: RouterConfig) -> None:
 
     def worker(address: str, name: str) -> GrpcWorker:
         return GrpcWorker(address, name, timeout=cfg.worker_timeout, credentials=worker_creds,
-                          server_name=cfg.worker_tls_server_name)
+                          server_name=cfg.worker_tls_server_name, api_key=worker_key)
 
     addresses = [a.strip() for a in cfg.target.split(",") if a.strip()]
     targets = [worker(a, "target" if len(addresses) == 1 else f"target {i}") for i, a in enumerate(addresses)]
@@ -77,6 +81,8 @@ async def serve(cfg: RouterConfig) -> None:
     life = await start_server(cfg.host, cfg.port, register, cfg.port_file, interceptors=interceptors,
                               credentials=server_creds, max_receive_bytes=cfg.max_message_bytes)
     start_metrics(cfg.metrics_port, metrics.registry, cfg.host)
+    # the OpenAI-compatible API over the same servicer; its /health says 503 until ready
+    http = await start_http(cfg, servicer, api_keys, life.stopping)
     life.install_signal_handlers()
     try:
         await connect(router, life.stopping)
@@ -97,6 +103,8 @@ async def serve(cfg: RouterConfig) -> None:
                  ", API keys required" if interceptors else "")
 
     async def close():
+        if http is not None:
+            await http.stop()  # before the workers: in-flight HTTP streams still use them
         for target in targets:
             await target.close()
         if draft is not None:

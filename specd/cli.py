@@ -50,7 +50,7 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_spec(args: argparse.Namespace, router_port: int):
+def _cluster_spec(args: argparse.Namespace, router_port: int, api_key_file: str = ""):
     from specd.launcher import ClusterSpec, default_threads
     from specd.models import default_models
 
@@ -66,6 +66,7 @@ def _cluster_spec(args: argparse.Namespace, router_port: int):
         n_ctx=args.n_ctx,
         n_seq=args.n_seq,
         router_port=router_port,
+        api_key_file=api_key_file,
     )
 
 
@@ -73,8 +74,11 @@ def _up(args: argparse.Namespace) -> int:
     from specd.launcher import Cluster
 
     print("[specd up] preparing models and starting target, draft and router ...", file=sys.stderr, flush=True)
-    cluster = Cluster(_cluster_spec(args, args.port)).start()
-    print(f"[specd up] router listening on {cluster.router_address} (Ctrl-C to stop)", flush=True)
+    spec = _cluster_spec(args, args.port, args.api_key_file)
+    spec.http, spec.http_port = bool(args.http_port), args.http_port
+    cluster = Cluster(spec).start()
+    http = f", OpenAI-compatible HTTP on {cluster.http_url}/v1" if cluster.http_url else ""
+    print(f"[specd up] router listening on {cluster.router_address}{http} (Ctrl-C to stop)", flush=True)
     stop = {"now": False}
 
     def handler(*_):
@@ -99,6 +103,15 @@ def _print_stats(c, label: str = "") -> None:
           f"{acc}, prompt {c.n_prompt} tokens, finish: {c.finish_reason}", file=sys.stderr, flush=True)
 
 
+def _prompt(args) -> str | list[dict]:
+    """PROMPT as text, or with --chat (or --system) as the user's message of a
+    conversation the router renders with the target model's chat template."""
+    if not (args.chat or args.system):
+        return args.prompt
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return [*system, {"role": "user", "content": args.prompt}]
+
+
 def _gen_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                 speculative=False if args.no_spec else None, n_draft=args.n_draft)
@@ -118,10 +131,10 @@ def _generate(args: argparse.Namespace) -> int:
     with RouterClient(args.router, api_key=args.api_key or None, credentials=creds) as client:
         try:
             if args.json:
-                c = client.generate(args.prompt, **_gen_kwargs(args))
+                c = client.generate(_prompt(args), **_gen_kwargs(args))
                 print(json.dumps(c.as_json()))
             else:
-                c = client.generate(args.prompt, on_text=lambda t: print(t, end="", flush=True), **_gen_kwargs(args))
+                c = client.generate(_prompt(args), on_text=lambda t: print(t, end="", flush=True), **_gen_kwargs(args))
                 print()
                 _print_stats(c)
         except grpc.RpcError as exc:
@@ -142,14 +155,14 @@ def _demo(args: argparse.Namespace) -> int:
         with RouterClient(cluster.router_address) as client:
             # a short request first: the first decodes of fresh workers allocate
             # their buffers, which would count against whichever run came first
-            client.generate(args.prompt, **(_gen_kwargs(args) | {"max_tokens": 8}))
-            print(f"\n{args.prompt}", end="", flush=True)
-            spec = client.generate(args.prompt, on_text=lambda t: print(t, end="", flush=True), **_gen_kwargs(args))
+            client.generate(_prompt(args), **(_gen_kwargs(args) | {"max_tokens": 8}))
+            print(f"\n> {args.prompt}\n" if args.chat or args.system else f"\n{args.prompt}", end="", flush=True)
+            spec = client.generate(_prompt(args), on_text=lambda t: print(t, end="", flush=True), **_gen_kwargs(args))
             print("\n", flush=True)
             _print_stats(spec, "speculative" if spec.speculative else "target-only")
             if not args.no_spec and args.compare:
                 kw = _gen_kwargs(args) | {"speculative": False}
-                base = client.generate(args.prompt, **kw)
+                base = client.generate(_prompt(args), **kw)
                 _print_stats(base, "target-only")
                 same = "identical" if base.tokens == spec.tokens else "DIFFERENT"
                 print(f"[specd demo] speculative output is {same} to target-only "
@@ -170,8 +183,11 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-seq", type=int, default=4)
 
 
-def _add_gen_flags(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
+def _add_gen_flags(p: argparse.ArgumentParser, max_tokens: int | None, chat: bool = False) -> None:
     p.add_argument("prompt")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=chat,
+                   help="send PROMPT as a user message, rendered with the target model's chat template")
+    p.add_argument("--system", default="", help="system message before PROMPT (implies --chat)")
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -195,10 +211,15 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run target, draft and router locally on the default models")
     _add_cluster_flags(p)
     p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--http-port", type=int, default=8080, help="router's OpenAI-compatible HTTP port (0: off)")
+    p.add_argument("--api-key-file", default="",
+                   help="API keys, one a line, for all three: clients must send one (specd generate --api-key), "
+                        "and the router presents the first to the workers, which refuse calls without it")
     p.set_defaults(fn=_up)
     p = sub.add_parser("demo", help="up + generate + clean shutdown")
     _add_cluster_flags(p)
-    _add_gen_flags(p, 96)
+    # an instruct model answers as a chat model would (--no-chat: PROMPT continued as text)
+    _add_gen_flags(p, 96, chat=True)
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                    help="also run target-only and compare")
     p.set_defaults(fn=_demo)

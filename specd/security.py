@@ -10,6 +10,14 @@
 - API keys on the router's public API: `--api-key-file` (one key a line); every
   specd.v1.Router call must carry `authorization: Bearer <key>` or
   `x-api-key: <key>`. Health and reflection stay open for probes.
+- API keys on the workers: the same `--api-key-file`; every call but the
+  standard health service (probes) needs a key, Execute included, so nothing
+  that merely reaches a worker port can clear or decode into live sessions.
+  The router presents the first key of `--worker-api-key-file`, or, without
+  it, the first key of its own `--api-key-file`: one Secret mounted into all
+  three pods with SPECD_API_KEY_FILE set in each is a working setup. The key
+  travels as call metadata (KeyedChannel), which also works on plaintext
+  channels, where gRPC refuses call credentials.
 
 Certificates, keys and API keys are files read once at startup; a file that is
 missing, unreadable or not PEM ends the process with a message naming the
@@ -33,8 +41,12 @@ import grpc
 log = logging.getLogger("specd.security")
 
 # Services callable without an API key: probes and tooling.
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+HEALTH_SERVICE = "/grpc.health.v1.Health/"
+OPEN_SERVICES = (HEALTH_SERVICE, "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
+# A worker leaves only health open: probes must work, and nothing but the
+# router has any business on a worker port, listing its services included.
+WORKER_OPEN_SERVICES = (HEALTH_SERVICE,)
 
 
 class ConfigError(SystemExit):
@@ -89,17 +101,39 @@ def server_credentials_of(cfg) -> grpc.ServerCredentials | None:
 
 
 # ---------------------------------------------------------------- API keys
-def load_api_keys(path: str) -> list[bytes]:
+def load_api_keys(path: str, flag: str = "--api-key-file") -> list[bytes]:
     """Keys from a file, one a line; blank lines and `#` comments ignored."""
-    text = read_file(path, "--api-key-file")
+    text = read_file(path, flag)
     keys = []
-    for line in text.splitlines():
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if line and not line.startswith(b"#"):
+            # gRPC metadata values are printable ASCII: any other key could never be sent
+            if not all(0x20 <= b < 0x7F for b in line):
+                raise ConfigError(f"specd: {flag} {path!r} line {n}: a key must be printable ASCII")
             keys.append(line)
     if not keys:
-        raise ConfigError(f"specd: --api-key-file {path!r} holds no key")
+        raise ConfigError(f"specd: {flag} {path!r} holds no key")
     return keys
+
+
+def worker_api_key(cfg) -> str | None:
+    """The key a router (RouterConfig) presents to its workers: the first of
+    --worker-api-key-file, else the first of its own --api-key-file, so that
+    one key file shared by all three processes works; None: no key."""
+    if cfg.worker_api_key_file:
+        return load_api_keys(cfg.worker_api_key_file, "--worker-api-key-file")[0].decode()
+    if cfg.api_key_file:
+        return load_api_keys(cfg.api_key_file)[0].decode()
+    return None
+
+
+def worker_interceptors(cfg) -> list[grpc.aio.ServerInterceptor] | None:
+    """A worker's (WorkerConfig) interceptors: with --api-key-file, a key on
+    every call but health checks."""
+    if not cfg.api_key_file:
+        return None
+    return [ApiKeyInterceptor(load_api_keys(cfg.api_key_file), WORKER_OPEN_SERVICES, server="worker")]
 
 
 def api_key_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
@@ -135,7 +169,7 @@ def authorized(metadata: Iterable, keys: Sequence[bytes]) -> bool | None:
     return ok
 
 
-MISSING = ("this router requires an API key: send call metadata `authorization: Bearer <key>` "
+MISSING = ("this {server} requires an API key: send call metadata `authorization: Bearer <key>` "
            "or `x-api-key: <key>`")
 INVALID = "the API key is not valid"
 
@@ -160,9 +194,10 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuse calls without a valid API key with UNAUTHENTICATED; health and
     reflection stay open. Never logs keys or metadata."""
 
-    def __init__(self, keys: Sequence[bytes], open_services: Sequence[str] = OPEN_SERVICES):
+    def __init__(self, keys: Sequence[bytes], open_services: Sequence[str] = OPEN_SERVICES, server: str = "router"):
         self.keys = list(keys)
         self.open_services = tuple(open_services)
+        self.missing = MISSING.format(server=server)
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""
@@ -172,4 +207,45 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if ok:
             return await continuation(handler_call_details)
         log.info("refused %s: %s API key", method, "missing" if ok is None else "invalid")
-        return _deny(await continuation(handler_call_details), MISSING if ok is None else INVALID)
+        return _deny(await continuation(handler_call_details), self.missing if ok is None else INVALID)
+
+
+# ------------------------------------------------------------ client side
+class _WithMetadata:
+    """A multicallable that adds `metadata` to every call."""
+
+    def __init__(self, call, metadata: tuple[tuple[str, str], ...]):
+        self._call = call
+        self._metadata = metadata
+
+    def __call__(self, *args, metadata=None, **kwargs):
+        return self._call(*args, metadata=(*self._metadata, *(metadata or ())), **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+
+class KeyedChannel:
+    """`channel` for building stubs whose every call carries `metadata` (the
+    API key of a worker). Metadata rather than call credentials: gRPC sends
+    call credentials over TLS only, and router and workers may talk plaintext
+    on a private network. Everything else is the channel's own."""
+
+    def __init__(self, channel, metadata: tuple[tuple[str, str], ...]):
+        self._channel = channel
+        self._metadata = tuple(metadata)
+
+    def unary_unary(self, *args, **kwargs):
+        return _WithMetadata(self._channel.unary_unary(*args, **kwargs), self._metadata)
+
+    def unary_stream(self, *args, **kwargs):
+        return _WithMetadata(self._channel.unary_stream(*args, **kwargs), self._metadata)
+
+    def stream_unary(self, *args, **kwargs):
+        return _WithMetadata(self._channel.stream_unary(*args, **kwargs), self._metadata)
+
+    def stream_stream(self, *args, **kwargs):
+        return _WithMetadata(self._channel.stream_stream(*args, **kwargs), self._metadata)
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)

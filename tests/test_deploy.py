@@ -539,6 +539,44 @@ def test_deployment_security(name, role):
         f"{name}/{role}: terminationGracePeriodSeconds < preStop {pre}s + grace {grace}s"
 
 
+API_KEYS_SECRET = "specd-api-keys"
+
+
+def _secret_file(name: str, role: str, var: str) -> tuple[str, str]:
+    """(Secret, key in it) of the file `var` names, checking that it is a
+    read-only mount of a required Secret no other user can read."""
+    dep = deployment(name, role)
+    c = main_container(dep)
+    path = container_config(name, c).get(var)
+    assert path, f"{name}/{role}: {var} is not set"
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    for m in c.get("volumeMounts", []):
+        mount = m["mountPath"].rstrip("/") + "/"
+        if path.startswith(mount):
+            secret = volumes[m["name"]].get("secret")
+            assert secret, f"{name}/{role}: {var}={path} is on volume {m['name']}, not a Secret"
+            assert m.get("readOnly") is True, f"{name}/{role}: the key mount must be read-only"
+            # a missing Secret must keep the pod from starting, not let it serve without keys
+            assert not secret.get("optional"), f"{name}/{role}: the key Secret must not be optional"
+            assert secret.get("defaultMode", 0o644) & 0o007 == 0, f"{name}/{role}: keys readable by others"
+            key = path[len(mount):]
+            items = {i["path"]: i["key"] for i in secret.get("items", [])}
+            return secret["secretName"], items.get(key, key)
+    raise AssertionError(f"{name}/{role}: {var}={path} is not on any mounted volume")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_workers_require_the_routers_api_key(name):
+    # Item 7 of #18: a worker must refuse callers without a key, and the
+    # router must present one the workers hold: one Secret in all three pods.
+    router = _secret_file(name, "router", "SPECD_WORKER_API_KEY_FILE")
+    assert router[0] == API_KEYS_SECRET
+    for role in WORKERS:
+        assert _secret_file(name, role, "SPECD_API_KEY_FILE") == router, \
+            f"{name}: {role} reads its keys from another file than the one the router presents"
+        # health stays open, so the probes (test_deployment_grpc_probes) need no key
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("role", WORKERS)
 def test_worker_model_delivery(name, role):
