@@ -7,14 +7,15 @@ it evaluated to find the next one), and returns d0 .. dk-1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from draft_worker.verified import VerifiedPrefix
 from specd.engine import ModelInfo, SeqState, Steps, WorkerEngine
-from specd.errors import InvalidArgument
+from specd.errors import InvalidArgument, SpecdError
 from specd.model_engine import ModelEngine
-from specd.sampling import top_probability
+from specd.sampling import Sampling, TokenDist, draft_token
 
 MAX_DRAFT = 64
 
@@ -26,6 +27,7 @@ class ProposeResult:
     compute_seconds: float = 0.0
     batch_tokens: int = 0  # of the last llama_decode, shared with other sequences
     batch_seconds: float = 0.0
+    q: list[TokenDist] = field(default_factory=list)  # when sampled: the distribution of each token
 
 
 def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
@@ -40,8 +42,9 @@ def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
 class _ProposeMixin:
     """Validation and the n_min cut shared by both draft engines."""
 
-    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> ProposeResult:
-        return self.run_one(self.propose_steps(seq_id, pos, tokens, n_max, n_min, p_min))
+    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
+                sampling: Sampling | None = None, sample_index: int = 0) -> ProposeResult:
+        return self.run_one(self.propose_steps(seq_id, pos, tokens, n_max, n_min, p_min, sampling, sample_index))
 
     def _begin(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float):
         seq = self._check_seq(seq_id)
@@ -67,24 +70,36 @@ class DraftModelEngine(_ProposeMixin, ModelEngine):
 
     time_prompts = True
 
-    def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> Steps:
+    def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
+                      sampling: Sampling | None = None, sample_index: int = 0) -> Steps:
         """Propose as steps: each draft token is one decode, shared with the
-        other sequences drafting at the same time."""
+        other sequences drafting at the same time. With `sampling` (not
+        greedy) each draft is sampled from the draft's own distribution, for
+        speculative sampling, and the result carries those distributions."""
         t0 = time.perf_counter()
         toks, n_max = self._begin(seq_id, pos, tokens, n_max, n_min, p_min)
-        self.check_batch(len(toks))
         end = pos + len(toks)
+        # a tail longer than n_batch (a draft far behind) is decoded in chunks
         logits = yield from self._decode_g(seq_id, pos, toks, 1)
         drafts: list[int] = []
-        while len(drafts) < n_max:
-            tok, p = top_probability(logits[0])
-            if p < p_min:
-                break
-            drafts.append(tok)
-            if len(drafts) == n_max:
-                break
-            logits = yield from self._decode_g(seq_id, end + len(drafts) - 1, np.array([tok], dtype=np.int32), 1)
-        return self._finish(seq_id, end, drafts, n_min, t0)
+        q: list[TokenDist] = []
+        try:
+            while len(drafts) < n_max:
+                nxt = draft_token(logits[0], sampling, sample_index + len(drafts))
+                if nxt.confidence < p_min:
+                    break
+                drafts.append(nxt.token)
+                if nxt.q is not None:
+                    q.append(nxt.q)
+                if len(drafts) == n_max:
+                    break
+                logits = yield from self._decode_g(seq_id, end + len(drafts) - 1,
+                                                   np.array([nxt.token], dtype=np.int32), 1)
+        except SpecdError as exc:  # all or nothing: the tail goes too
+            self._fail_from(seq_id, pos, exc)
+        res = self._finish(seq_id, end, drafts, n_min, t0)
+        res.q = q[: len(res.tokens)]
+        return res
 
 
 class NgramEngine(_ProposeMixin, WorkerEngine):
@@ -103,6 +118,7 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         self.spec = spec
         kwargs = {"cache_path": cache_path} if cache_path else {}
         self.proposers = [make_proposer(spec, **kwargs) for _ in range(n_seq)]
+        self.verified = [VerifiedPrefix() for _ in range(n_seq)]
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -111,20 +127,31 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
             can_shift=True, n_swa=0, eog_tokens=(), add_bos=False, n_threads=1, model_path="",
         )
 
-    def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float) -> Steps:
+    def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
+                      sampling: Sampling | None = None, sample_index: int = 0) -> Steps:
+        """`sampling`, `sample_index`: unused; n-gram drafts have no distribution
+        and are accepted by exact match."""
         t0 = time.perf_counter()
         toks, n_max = self._begin(seq_id, pos, tokens, n_max, n_min, p_min)
         yield from self._decode_g(seq_id, pos, toks, 0)
         end = pos + len(toks)
         history = self.seqs[seq_id].tokens()
+        known = self.verified[seq_id]
+        # learners learn and judge their drafts on verified tokens only
+        n_verified = known.update(history, len(history) - len(toks))
         proposer = self.proposers[seq_id]
-        proposer.observe(history)
-        drafts = [int(t) for t in proposer.propose(history, n_max)][:n_max] if n_max else []
+        proposer.observe(history[:n_verified])
+        drafts = [int(t) for t in proposer.propose(history, n_max, n_verified)][:n_max]
         if len(drafts) > 1:
             yield from self._decode_g(seq_id, end, np.asarray(drafts[:-1], dtype=np.int32), 0)
-        return self._finish(seq_id, end, drafts, n_min, t0)
+        res = self._finish(seq_id, end, drafts, n_min, t0)
+        if len(res.tokens) < len(drafts):  # cut by n_min: never sent, so never to be judged
+            proposer.propose(history, 0, n_verified)
+        known.proposed(len(history), res.tokens, n_verified)
+        return res
 
     def clear(self, seq_id: int) -> None:
         super().clear(seq_id)
         for i in range(self.n_seq) if seq_id == -1 else [seq_id]:
             self.proposers[i].reset()
+            self.verified[i].reset()

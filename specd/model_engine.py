@@ -3,15 +3,26 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NoReturn
 
 import numpy as np
 
+from router.adaptive import COST_CHECK
 from specd.engine import ModelInfo, Steps, WorkerEngine
-from specd.errors import Internal, InvalidArgument, ResourceExhausted
+from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
 from specd.llama import DecodeError, LlamaConfig, LlamaModel
 
 
 log = logging.getLogger("specd.engine")
+
+# A calibration that fails COST_CHECK is timed again: one more sweep after
+# each pause, so that what disturbed it can pass (mostly the other worker
+# timing its own decodes on the same cores, for a few seconds). A machine
+# busy for longer would make every start wait: the retries of all of a
+# worker's curves share CALIBRATION_RETRY_SECONDS, and then the curve is
+# repaired (the router learns the rest from the batches it sees).
+CALIBRATION_PAUSES = (0.5, 1.0, 2.0)  # then the last again
+CALIBRATION_RETRY_SECONDS = 6.0
 
 
 class ModelEngine(WorkerEngine):
@@ -30,6 +41,7 @@ class ModelEngine(WorkerEngine):
         self.decode_costs: tuple[tuple[int, float], ...] = ()
         self.decode_costs_shared: tuple[tuple[int, float], ...] = ()
         self.prompt_costs: tuple[tuple[int, float], ...] = ()
+        self._retry_left = CALIBRATION_RETRY_SECONDS  # seconds left to time implausible curves again
 
     def info(self) -> ModelInfo:
         m = self.model
@@ -57,15 +69,16 @@ class ModelEngine(WorkerEngine):
     def share_cores(self, shared: bool) -> None:
         self.model.share_cores(shared)
 
-    def calibrate(self, max_tokens: int = 64, repeats: int = 5) -> None:
+    def calibrate(self, max_tokens: int = 64, repeats: int = 3) -> None:
         """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens, each
         token with its logits (the router's prior for adaptive speculation:
         the shape of its steps, where every drafted and verified token needs
         its logits), on the batch threads and,
         when those are more, on the base threads alone (`decode_costs_shared`);
         and, for a draft (`time_prompts`), with the last token's logits only
-        (`prompt_costs`: what catching up on missed tokens pays). Leaves the
-        sequences empty."""
+        (`prompt_costs`: what catching up on missed tokens pays). Each curve
+        must pass COST_CHECK (`_time_decodes`). Leaves the sequences empty."""
+        self._retry_left = CALIBRATION_RETRY_SECONDS
         self.decode_costs = self._time_decodes(max_tokens, repeats)
         log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs))
         if self.time_prompts:
@@ -82,10 +95,13 @@ class ModelEngine(WorkerEngine):
                      ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs_shared))
 
     def _time_decodes(self, max_tokens: int, repeats: int, all_logits: bool = True) -> tuple[tuple[int, float], ...]:
-        """Each size keeps its fastest of `repeats` runs, taken in interleaved
-        sweeps so that a passing disturbance (the other worker starting on
-        the same cores) cannot spoil every run of one size, and a bigger
-        batch is never reported cheaper than a smaller one.
+        """Each size's fastest of `repeats` runs, taken in interleaved sweeps
+        so that a passing disturbance cannot spoil every run of one size. A
+        longer one (the other worker timing its decodes on the same cores)
+        can: a curve that fails COST_CHECK is discarded and timed again, a
+        sweep at a time after a pause (CALIBRATION_PAUSES), each size keeping
+        its fastest run of all, while the worker's retry time lasts; if it
+        still fails, it is repaired (lowered until it passes) and said so.
 
         The two shapes differ: with the last token's logits only the Q4_1
         draft takes 14.1 ms for 2 tokens where a drafting round of 2 sessions
@@ -96,24 +112,73 @@ class ModelEngine(WorkerEngine):
         target's rows cost little (8 tokens: 46.8 vs 49.1 ms)."""
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
         sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
-        toks = np.full(limit, self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)
         best = dict.fromkeys(sizes, float("inf"))
+        what = "decode cost" if all_logits else "prompt cost"
+        self._sweeps(best, repeats, all_logits)
+        retries = 0
+        while problems := COST_CHECK.problems(best.items()):
+            if self._retry_left <= 0:
+                log.warning("%s still implausible after %d more sweeps (%s): lowered until plausible", what,
+                            retries, "; ".join(problems[:2]))
+                break
+            pause = CALIBRATION_PAUSES[min(retries, len(CALIBRATION_PAUSES) - 1)]
+            log.warning("%s discarded as implausible (%s); timing again in %.1f s", what, "; ".join(problems[:2]),
+                        pause)
+            t0 = time.perf_counter()
+            time.sleep(pause)
+            self._sweeps(best, 1, all_logits)
+            self._retry_left -= time.perf_counter() - t0
+            retries += 1
+        return COST_CHECK.repair(best.items())
+
+    def _sweeps(self, best: dict[int, float], repeats: int, all_logits: bool) -> None:
+        """Time a decode of each size in `best` `repeats` times, in turn,
+        keeping each size's fastest."""
+        toks = np.full(max(best), self.model.eog_tokens[0] if self.model.eog_tokens else 0, dtype=np.int32)
         for _ in range(repeats):
-            for n in sizes:
+            for n in best:
                 t0 = time.perf_counter()
                 self.model.decode(0, 0, toks[:n], n if all_logits else 1)
                 best[n] = min(best[n], time.perf_counter() - t0)
                 self.model.seq_rm(0, -1, -1)
-        costs = []
-        for n in sizes:
-            costs.append((n, max(best[n], costs[-1][1] if costs else 0.0)))
-        return tuple(costs)
 
     # ------------------------------------------------------------- storage
     def _decode_g(self, seq_id: int, pos: int, toks: np.ndarray, n_logits: int) -> Steps:
-        logits = yield (seq_id, pos, toks, n_logits)
-        self.seqs[seq_id].append(pos, toks)
+        """Decode n_batch tokens a round, as llama.cpp splits a batch into
+        ubatches: a catch-up longer than n_batch (a draft far behind) takes
+        several rounds, and other sequences' decodes go on in between. The
+        logits are the last chunk's, so `n_logits` must fit in it. If a chunk
+        fails, what the earlier ones added is removed (all or nothing)."""
+        n_batch = self.model.n_batch
+        last = (len(toks) - 1) // n_batch * n_batch  # where the last chunk starts
+        if n_logits > len(toks) - last:
+            raise Internal(f"{n_logits} rows of logits asked of a decode whose last chunk has {len(toks) - last}")
+        logits = None
+        for start in range(0, len(toks), n_batch):
+            chunk = toks[start : start + n_batch]
+            try:
+                logits = yield (seq_id, pos + start, chunk, n_logits if start == last else 0)
+            except SpecdError as exc:
+                if start:
+                    self._fail_from(seq_id, pos, exc)
+                raise
+            self.seqs[seq_id].append(pos + start, chunk)
         return logits
+
+    def _fail_from(self, seq_id: int, pos: int, exc: SpecdError) -> NoReturn:
+        """Remove what a failed operation decoded from `pos` on, then raise
+        `exc`. Memory that cannot drop part of a sequence (recurrent) loses
+        all of it, and the error says so: the bookkeeping must match what
+        llama.cpp holds. (`exc` may be shared by other sequences' operations
+        of the same batch: it is not changed.)"""
+        seq = self.seqs[seq_id]
+        if self.model.seq_rm(seq_id, pos, -1):
+            seq.rm(pos, -1)
+            raise exc
+        self.model.seq_rm(seq_id, -1, -1)
+        seq.clear()
+        note = f"seq {seq_id} could not be cut back to position {pos} and is now empty"
+        raise type(exc)(f"{exc.message}; {note}") from exc
 
     def _decode_parts(self, parts: list[tuple]) -> list:
         """Decode the parts in as few llama_decode calls as n_batch allows.
@@ -181,6 +246,13 @@ class ModelEngine(WorkerEngine):
 
     def detokenize(self, tokens) -> str:
         return self.model.detokenize(self._check_tokens(tokens, allow_empty=True))
+
+    def apply_chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+        """The conversation rendered with the model's own chat template."""
+        try:
+            return self.model.apply_chat_template(messages, add_generation_prompt)
+        except ValueError as exc:
+            raise FailedPrecondition(str(exc)) from None
 
     def pieces(self, tokens) -> list[bytes]:
         return [self.model.piece(int(t)) for t in tokens]

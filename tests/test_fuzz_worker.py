@@ -62,7 +62,7 @@ def workers(models, tmp_path_factory):
         for stub in stubs.values():
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
             assert (info.n_ctx_seq, info.n_seq, info.n_vocab, info.can_shift) == (N_CTX, N_SEQ, N_VOCAB, True)
-        yield stubs, procs
+        yield stubs, procs, {name: 0 for name in stubs}  # the highest handle each worker handed out
     finally:
         for ch in channels.values():
             ch.close()
@@ -82,12 +82,20 @@ def kv_hash(seq: dict[int, int]) -> str:
 
 
 class Model:
-    """What a worker holds: per sequence {position: token}; checkpoints."""
+    """What a worker holds: per sequence {position: token}; checkpoints.
+
+    Checkpoints have handles of our own, 1, 2, .. in each example: a worker
+    numbers them over its lifetime, so the test maps ours to each worker's
+    (`worker_handle`) and never sends one of our numbers as a worker's."""
 
     def __init__(self):
         self.seqs: list[dict[int, int]] = [{} for _ in range(N_SEQ)]
         self.ckpts: dict[int, tuple[int, dict[int, int]]] = {}  # our handle -> (seq_id, tokens)
         self.next_handle = 1
+
+    def gone(self) -> list[int]:
+        """Our handles of checkpoints saved in this example and dropped since."""
+        return [h for h in range(1, self.next_handle) if h not in self.ckpts]
 
     @staticmethod
     def in_range(p: int, p0: int, p1: int) -> bool:
@@ -105,7 +113,7 @@ class Model:
         if not self.seq_ok(seq_id) or not tokens or any(not 0 <= t < N_VOCAB for t in tokens) or pos < 0:
             return INVALID
         s = self.seqs[seq_id]
-        if s and pos != max(s) + 1:
+        if pos != self.next_pos(seq_id):  # an empty sequence takes position 0 only
             return PRECONDITION
         if pos + len(tokens) > N_CTX:
             return OUT_OF_RANGE
@@ -221,10 +229,13 @@ def draw_op(data, model: Model) -> tuple:
     if kind == "save":
         return kind, data.draw(seq_ids, label="seq_id")
     if kind in ("restore", "drop"):
-        known = sorted(model.ckpts)
-        bogus = st.sampled_from([0, model.next_handle, 10**6, (1 << 64) - 1])
-        h = data.draw(st.one_of(st.sampled_from(known), st.sampled_from(known), bogus) if known else bogus,
-                      label="handle")
+        # drawn from this example's own checkpoints only (live, then dropped)
+        # and handles no worker has handed out (NEVER_ISSUED): what a worker
+        # numbered before this example must not decide what is drawn
+        known, gone = sorted(model.ckpts), model.gone()
+        choices = [st.sampled_from(known)] * 2 if known else []
+        choices += [st.sampled_from(gone)] if gone else []
+        h = data.draw(st.one_of(*choices, st.sampled_from(NEVER_ISSUED)), label="handle")
         if kind == "drop":
             return kind, h
         return kind, h, data.draw(st.booleans(), label="drop")
@@ -233,7 +244,21 @@ def draw_op(data, model: Model) -> tuple:
     return kind, data.draw(seq_ids, label="seq_id")
 
 
-def call(stub, handles: dict[int, int], op: tuple):
+# handles no worker has handed out when they are sent: workers number from 1;
+# NEXT_HANDLE stands for the one the worker will hand out next
+NEXT_HANDLE = -1
+NEVER_ISSUED = [0, NEXT_HANDLE, 10**6, (1 << 64) - 1]
+
+
+def worker_handle(handles: dict[int, int], issued: int, h: int) -> int:
+    """The worker's handle for `h`: ours mapped (`handles`), NEXT_HANDLE one
+    past the highest it handed out (`issued`), the other NEVER_ISSUED as they are."""
+    if h == NEXT_HANDLE:
+        return issued + 1
+    return handles.get(h, h)
+
+
+def call(stub, handles: dict[int, int], issued: int, op: tuple):
     """Run one op on a worker; return (status code, response)."""
     kind = op[0]
     try:
@@ -248,10 +273,10 @@ def call(stub, handles: dict[int, int], op: tuple):
         elif kind == "save":
             r = stub.CheckpointSave(pb.CheckpointSaveRequest(seq_id=op[1]), timeout=30)
         elif kind == "restore":
-            r = stub.CheckpointRestore(pb.CheckpointRestoreRequest(handle=handles.get(op[1], op[1]), drop=op[2]),
-                                       timeout=30)
+            r = stub.CheckpointRestore(
+                pb.CheckpointRestoreRequest(handle=worker_handle(handles, issued, op[1]), drop=op[2]), timeout=30)
         elif kind == "drop":
-            r = stub.CheckpointDrop(pb.CheckpointDropRequest(handle=handles.get(op[1], op[1])), timeout=30)
+            r = stub.CheckpointDrop(pb.CheckpointDropRequest(handle=worker_handle(handles, issued, op[1])), timeout=30)
         elif kind == "clear":
             r = stub.Clear(pb.ClearRequest(seq_id=op[1]), timeout=30)
         else:
@@ -293,10 +318,13 @@ STATS = {"examples": 0, "ops": 0}
                                  HealthCheck.data_too_large])
 @given(data=st.data())
 def test_random_kv_operations_match_a_model_on_target_and_ngram(workers, data):
-    stubs, procs = workers
-    for stub in stubs.values():
-        stub.Clear(pb.ClearRequest(seq_id=-1), timeout=30)  # also drops every checkpoint
+    stubs, procs, issued = workers
     model = Model()
+    for name, stub in stubs.items():  # every example starts from empty workers
+        stub.Clear(pb.ClearRequest(seq_id=-1), timeout=30)  # also drops every checkpoint
+        for i in range(N_SEQ):
+            s = stub.GetSeqState(pb.GetSeqStateRequest(seq_id=i), timeout=30)
+            assert (s.seq_id, s.pos_min, s.pos_max, s.n_tokens, s.token_hash) == model.state(i), name
     handles = {name: {} for name in stubs}  # our handle -> the worker's
     n_ops = data.draw(st.integers(1, 40), label="n_ops")
     STATS["examples"] += 1
@@ -304,7 +332,7 @@ def test_random_kv_operations_match_a_model_on_target_and_ngram(workers, data):
         op = draw_op(data, model)
         want, new_handle = expect(model, op)
         for name, stub in stubs.items():
-            got, res = call(stub, handles[name], op)
+            got, res = call(stub, handles[name], issued[name], op)
             assert procs[name].popen.poll() is None, f"{name} died on {op}"
             assert got == want, f"step {step}: {op} on {name}: {got.name} ({res if got != OK else ''}), " \
                                 f"the model says {want.name}"
@@ -312,7 +340,8 @@ def test_random_kv_operations_match_a_model_on_target_and_ngram(workers, data):
                 # the message names what is wrong
                 assert any(w in res for w in ("seq_id", "tokens", "pos", "p0", "p1", "delta", "n_vocab")), res
             if new_handle is not None:
-                handles[name][new_handle] = res.handle
+                assert res.handle > issued[name], "a worker hands out each handle once"
+                handles[name][new_handle] = issued[name] = res.handle
                 assert (res.seq_id, res.n_tokens) == (op[1], len(model.seqs[op[1]]))
         # after every op both workers hold exactly what the model says, for every sequence
         for name, stub in stubs.items():
@@ -325,7 +354,7 @@ def test_random_kv_operations_match_a_model_on_target_and_ngram(workers, data):
 
 def test_fuzz_summary_and_workers_alive(workers):
     """Runs after the fuzz test (file order): both workers still serve."""
-    stubs, procs = workers
+    stubs, procs, _ = workers
     for name, stub in stubs.items():
         assert procs[name].popen.poll() is None
         stub.Clear(pb.ClearRequest(seq_id=-1), timeout=30)

@@ -267,6 +267,75 @@ def test_mod_low_acceptance_streak_clears_table():
     assert p.propose([61, 70, 71, 72], 4) == []
 
 
+def overlap_rounds(p, hist: list[int], rounds: int, verified_lookahead: bool = True) -> list[int]:
+    """What the router does with overlap, each round: the proposer drafts d
+    after hist, then, while the target verifies d, a lookahead after hist + d
+    (d not verified yet); the target rejects d[0] (says 500 + r), and plain
+    steps bring the key K again. Returns the history after the last round."""
+    for r in range(rounds):
+        d = p.propose(hist, 4)
+        assert d, r
+        p.propose(hist + d, 4, len(hist) if verified_lookahead else None)
+        hist = hist + [500 + r] + K
+    return hist
+
+
+def test_mod_low_acceptance_streak_counts_drafts_rejected_beside_a_lookahead():
+    # the lookahead's history holds the drafts being verified: judged on it,
+    # each rejected draft read as accepted and the streak never grew
+    p = mod(n_max=4)
+    p.observe([70, 71, 72] + Y)          # an earlier sequence
+    p.reset()
+    p.observe(overlap_rounds(p, A, 5))   # the 5th draft is judged once its rejection is verified
+    p.reset()
+    assert p.propose([61, 70, 71, 72], 4) == []      # 5 rejected drafts in a row emptied the table
+    q = mod(n_max=4)
+    q.observe([70, 71, 72] + Y)
+    q.reset()
+    q.observe(overlap_rounds(q, A, 4))
+    q.reset()
+    assert q.propose([61, 70, 71, 72], 4) == Y[:4]   # 4 are not enough
+
+
+def test_mod_lookahead_holding_its_own_drafts_breaks_no_streak_when_taken_as_verified():
+    # what judging on unverified tokens did: every rejected draft read as accepted
+    p = mod(n_max=4)
+    p.observe([70, 71, 72] + Y)
+    p.reset()
+    p.observe(overlap_rounds(p, A, 6, verified_lookahead=False))
+    p.reset()
+    assert p.propose([61, 70, 71, 72], 4) == Y[:4]
+
+
+@pytest.mark.parametrize("name", ["mod", "cache"])
+def test_unverified_tokens_teach_nothing(name):
+    # a lookahead drafts after the drafts under verification but learns nothing from them
+    p, fresh = small(name), small(name)
+    p.propose(PREFIX + [40, 41, 42, 43] + K, 4, len(PREFIX))
+    fresh.observe(PREFIX)
+    if name == "mod":
+        assert np.array_equal(p.table.entries, fresh.table.entries)
+    else:
+        assert p.context == fresh.context
+
+
+def test_map_k_judges_a_lookahead_once_its_guess_held():
+    p = NgramMapProposer(True, 3, 4)
+    assert p.propose(A, 2) == X[:2]                  # d, verified by the target ...
+    look = p.propose(A + X[:2], 4, len(A))           # ... while a lookahead drafts after it
+    assert look == X[2:6]
+    # the target accepted d and said X2 (the guess held); X3 then rejected
+    p.observe(A + X[:3] + [99])
+    # d counts 2 accepted tokens; the lookahead (its key: the last 3 tokens then) 1, the guess
+    assert p.accepted[(tuple(K), ())][0] == 2
+    assert p.accepted[((K[-1], X[0], X[1]), ())][0] == 1
+    q = NgramMapProposer(True, 3, 4)
+    assert q.propose(A, 2) == X[:2]
+    q.propose(A + X[:2], 4, len(A))
+    q.observe(A + [98])                              # d rejected: the lookahead was never verified
+    assert q.accepted == {(tuple(K), ()): (0, len(A) + 1)}
+
+
 def test_mod_clear():
     p = mod()
     p.observe(A)
@@ -362,8 +431,8 @@ class Stub:
     def __init__(self, name, draft):
         self.name, self.draft, self.calls = name, draft, []
 
-    def propose(self, history, n_max):
-        self.calls.append("propose")
+    def propose(self, history, n_max, n_verified=None):
+        self.calls.append("propose" if n_max else "withdraw")
         return list(self.draft)[:n_max]
 
     def observe(self, history):
@@ -379,12 +448,12 @@ def test_chain_first_non_empty_wins():
     assert chain.name == "a,b,c"
     assert chain.propose([1, 2, 3], 4) == [7, 8]
     assert chain.propose([1, 2, 3], 1) == [7]
-    assert c.calls == []                 # never asked: b already drafted
+    assert c.calls == ["withdraw"] * 2   # never asked to draft: b already drafted
     assert ChainProposer([Stub("c", [9]), Stub("b", [7])]).propose([1], 4) == [9]
     assert ChainProposer([Stub("a", [])]).propose([1], 4) == []
     chain.observe([1, 2, 3])
     chain.reset()
-    assert a.calls[-2:] == b.calls[-2:] == c.calls == ["observe", "reset"]
+    assert a.calls[-2:] == b.calls[-2:] == c.calls[-2:] == ["observe", "reset"]
 
 
 def test_make_proposer_chain_order():

@@ -20,8 +20,8 @@ from tests.test_worker_grpc import wait_serving
 N_VOCAB = 49152  # SmolLM2's
 
 
-def start_ngram(tmp_path, *extra) -> tuple[Proc, str]:
-    p = Proc("draft", ["draft", "--ngram", "simple", "--port", "0", "--n-ctx", "256", "--n-seq", "2", *extra], tmp_path)
+def start_ngram(tmp_path, *extra, spec: str = "simple") -> tuple[Proc, str]:
+    p = Proc("draft", ["draft", "--ngram", spec, "--port", "0", "--n-ctx", "256", "--n-seq", "2", *extra], tmp_path)
     address = f"127.0.0.1:{p.wait_port(time.monotonic() + 60)}"
     wait_serving(address)
     return p, address
@@ -62,6 +62,56 @@ def test_ngram_worker_refuses_negative_and_out_of_vocabulary_ids(tmp_path, n_voc
             if not n_vocab:  # no vocabulary given: any non-negative id is a token
                 s = w.Decode(pb.DecodeRequest(seq_id=0, pos=3, tokens=[N_VOCAB, (1 << 31) - 1]), timeout=10)
                 assert s.token_hash == history_hash([1, 2, 3, N_VOCAB, (1 << 31) - 1])
+            assert proc.popen.poll() is None
+    finally:
+        assert proc.stop() == 0
+
+
+L, K, X, Y = list(range(100, 112)), [1, 2, 3], list(range(10, 18)), list(range(20, 28))
+
+
+class Drafter:
+    """The calls a router makes on the draft worker for one sequence, as
+    router/engine.py makes them with overlap."""
+
+    def __init__(self, w, d, seq: int = 0):
+        self.w, self.d, self.seq = w, d, seq
+        self.held = 0  # tokens of the history the worker holds
+
+    def propose(self, pos: int, tokens: list[int], n_max: int = 4) -> list[int]:
+        r = self.d.Propose(pb.ProposeRequest(seq_id=self.seq, pos=pos, tokens=tokens, n_max=n_max), timeout=10)
+        return list(r.tokens)
+
+    def step_rejected(self, tail: list[int], target_says: int) -> list[int]:
+        """Propose after the tail, draft on beside the verification (the
+        lookahead), then the target rejects the first draft: cut both back."""
+        n = self.held + len(tail)
+        drafts = self.propose(self.held, tail)
+        assert drafts
+        self.propose(n + len(drafts) - 1, drafts[-1:])  # the lookahead: drafts[-1] is not verified
+        self.w.SeqRm(pb.SeqRmRequest(seq_id=self.seq, p0=n, p1=-1), timeout=10)
+        self.held = n
+        return [target_says]
+
+
+def test_mod_drafter_resets_after_drafts_rejected_beside_lookaheads(tmp_path):
+    # with overlap every Propose after a draft is a lookahead whose history
+    # holds that draft unverified: the n-gram learners judged the draft on it
+    # (all accepted), and `mod` never emptied its table after a streak of
+    # rejected drafts, as llama.cpp's ngram-mod does
+    proc, address = start_ngram(tmp_path, spec="mod:n-match=3:n-min=1:n-max=4")
+    try:
+        with grpc.insecure_channel(address) as ch:
+            w, d = pb_grpc.WorkerStub(ch), pb_grpc.DraftWorkerStub(ch)
+            router = Drafter(w, d)
+            router.propose(0, [70, 71, 72] + Y)  # an earlier session teaches the table 70 71 72 -> Y
+            w.Clear(pb.ClearRequest(seq_id=0), timeout=10)  # the table outlives a session
+            tail = L + K + X + K
+            for r in range(5):
+                tail = router.step_rejected(tail, 500 + r) + K  # plain steps bring K again
+            router.propose(router.held, tail)  # judges the 5th rejected draft
+            w.Clear(pb.ClearRequest(seq_id=0), timeout=10)
+            assert Drafter(w, d).propose(0, [61, 70, 71, 72]) == [], "5 rejected drafts in a row empty the table"
             assert proc.popen.poll() is None
     finally:
         assert proc.stop() == 0

@@ -48,13 +48,17 @@ __all__ = [
 class Proposer(Protocol):
     name: str
 
-    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
-        """history = every token id the sequence holds, oldest first, ending with id_last.
-        Return at most n_max proposed token ids (may be empty). Must not mutate history."""
+    def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
+        """history = every token id the sequence holds, oldest first, ending
+        with the last one to draft after. Its first n_verified tokens (all
+        when None) are verified by the router; the rest are the proposer's
+        own drafts, which it drafts after but must not learn from or judge
+        its drafts by. Return at most n_max proposed token ids (may be
+        empty). Must not mutate history."""
         ...
 
     def observe(self, history: Sequence[int]) -> None:
-        """Called after the router accepted tokens (history as above); learners update here."""
+        """history = every token the router verified, oldest first; learners update here."""
         ...
 
     def reset(self) -> None:
@@ -71,15 +75,16 @@ class ChainProposer:
         self.members = tuple(members)
         self.name = ",".join(m.name for m in self.members)
 
-    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
-        if n_max <= 0:
-            return []
+    def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
         arr = as_array(history)  # convert once; members copy it again cheaply
+        out: list[int] = []
         for member in self.members:
-            draft = member.propose(arr, n_max)
-            if len(draft):
-                return [int(t) for t in draft[:n_max]]
-        return []
+            # members after the winner propose nothing here (n_max 0): a draft
+            # they made earlier is then not judged by tokens that were not theirs
+            draft = member.propose(arr, 0 if out else n_max, n_verified)
+            if len(draft) and not out:
+                out = [int(t) for t in draft[:n_max]]
+        return out
 
     def observe(self, history: Sequence[int]) -> None:
         arr = as_array(history)

@@ -4,13 +4,15 @@
 - `occurrences`: where an n-gram occurs in a token array (numpy, no Python loop over positions).
 - `SeenHistory`: remembers the last history a learner saw, so it can tell an
   extension (new tokens appended) from a truncation / rewrite (llama_memory_seq_rm).
-- `DraftFeedback`: remembers the last draft and measures, from a later history,
-  how many of its tokens the target accepted (llama.cpp passes that count to
-  common_speculative_accept; our callers only pass the history, so we infer it).
+- `DraftFeedback`: remembers the drafts a proposer returned and judges each,
+  from a later verified history, by how many of its tokens the target
+  accepted (llama.cpp passes that count to common_speculative_accept; our
+  callers only pass the history, so we infer it).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -63,42 +65,101 @@ class SeenHistory:
         return keep, old
 
 
+class Judged(NamedTuple):
+    """What the verified history says of one draft."""
+
+    tag: Any               # proposer-specific: which table entry produced the draft
+    accepted: int          # leading draft tokens the verified history holds at their positions
+    evidence_end: int      # first position not used to judge the draft
+
+
+WAIT = object()  # a verdict: the verified history does not tell yet
+
+
+@dataclass
+class _Pending:
+    pos: int               # history length when proposed: the position of the draft's first token
+    tokens: list[int]
+    tag: Any
+    base_from: int         # tokens of that history known verified then (== pos unless proposed after drafts)
+    base: np.ndarray       # history[base_from:pos]: the unverified tokens the draft continues
+
+    def judge(self, verified: np.ndarray, keep: int) -> Judged | None | object:
+        """Judged once `verified` shows where the draft ends; None to forget
+        it unjudged; WAIT while the verified history does not tell yet."""
+        if keep < self.base_from:
+            return None    # the history it was proposed after was removed or rewritten
+        seen = verified[self.base_from : min(len(verified), self.pos)]
+        if not np.array_equal(seen, self.base[: len(seen)]):
+            return None    # proposed after drafts the target rejected: never verified itself
+        if len(verified) <= self.pos:
+            return WAIT
+        got = verified[self.pos : self.pos + len(self.tokens)].tolist()
+        n_acc = 0
+        for d, a in zip(self.tokens, got):
+            if d != a:
+                break
+            n_acc += 1
+        if self.base_from < self.pos and n_acc == 0:
+            # a lookahead's first token guesses the target's own next token;
+            # when the guess fails the router never sends the rest to verify
+            return None
+        if n_acc == len(got) < len(self.tokens):
+            return WAIT
+        return Judged(self.tag, n_acc, self.pos + min(n_acc + 1, len(got)))
+
+
+MAX_PENDING = 8  # drafts a proposer keeps waiting for their verdict; older ones are forgotten
+
+
 class DraftFeedback:
-    """The last draft a proposer returned, and how many of its tokens were accepted."""
+    """The drafts a proposer returned that no verified history judged yet.
+
+    Learners must score drafts on tokens the router verified only: with
+    overlap the router asks for a lookahead while the target verifies, and
+    the history then holds the proposer's own drafts, which would read as
+    accepted. So a draft is judged against the verified history, once that
+    shows where the draft ends (its accepted tokens, as llama.cpp's
+    common_speculative_accept gets them); a draft proposed after unverified
+    tokens is judged only once those are verified and its first token, the
+    guess, held. Tokens a later proposal covers were never verified as this
+    draft's: they are cut off it."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.pos = -1          # history length when the draft was proposed
-        self.draft: list[int] = []
-        self.tag: Any = None   # proposer-specific: which table entry produced the draft
+        self.pending: list[_Pending] = []
 
-    def set(self, pos: int, draft: list[int], tag: Any = None) -> None:
-        self.pos, self.draft, self.tag = pos, list(draft), tag
+    def add(self, history: np.ndarray, n_verified: int, draft: list[int], tag: Any = None) -> None:
+        """A proposal after `history`, of which `n_verified` tokens are
+        verified; an empty `draft` only withdraws older drafts' tokens there."""
+        pos = len(history)
+        kept = []
+        for d in self.pending:
+            if d.pos < pos:
+                d.tokens = d.tokens[: pos - d.pos]
+                kept.append(d)
+        if draft:
+            n_verified = min(n_verified, pos)
+            kept.append(_Pending(pos, list(draft), tag, n_verified, history[n_verified:pos].copy()))
+        self.pending = kept[-MAX_PENDING:]
 
-    def measure(self, arr: np.ndarray, keep: int) -> tuple[Any, int, int] | None:
-        """(tag, accepted, evidence_end) once tokens after the draft position arrived, else None.
+    def measure(self, verified: np.ndarray, keep: int) -> list[Judged]:
+        """The drafts `verified` (every verified token, oldest first) judges,
+        in the order they were proposed. `keep`: tokens it shares with the
+        verified history of the last call (SeenHistory.update)."""
+        out, waiting = [], []
+        for d in self.pending:
+            verdict = d.judge(verified, keep)
+            if verdict is WAIT:
+                waiting.append(d)
+            elif verdict is not None:
+                out.append(verdict)
+        self.pending = waiting
+        return out
 
-        accepted = how many leading draft tokens the history now holds at the
-        drafted positions. evidence_end = first position not used to judge the
-        draft. If the history before the draft changed (keep < pos) the draft
-        is dropped without feedback.
-        """
-        if not self.draft:
-            return None
-        if keep < self.pos:
-            self.clear()
-            return None
-        got = arr[self.pos : self.pos + len(self.draft)].tolist()
-        if not got:
-            return None
-        n_acc = 0
-        for d, a in zip(self.draft, got):
-            if d != a:
-                break
-            n_acc += 1
-        evidence_end = self.pos + min(n_acc + 1, len(got))
-        result = (self.tag, n_acc, evidence_end)
-        self.clear()
-        return result
+
+def verified_part(arr: np.ndarray, n_verified: int | None) -> np.ndarray:
+    """The verified prefix of a history (all of it when n_verified is None)."""
+    return arr if n_verified is None else arr[: max(0, n_verified)]

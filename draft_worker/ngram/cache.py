@@ -2,7 +2,7 @@
 
 Mirrors llama.cpp's common_ngram_cache (ngram-cache.cpp) as used by
 COMMON_SPECULATIVE_TYPE_NGRAM_CACHE ("ngram-cache") and examples/lookup:
-- context: 1..4-grams of this sequence's history (per sequence);
+- context: 1..4-grams of this sequence's verified history (per sequence);
 - dynamic: what earlier sequences taught (context is merged into it on reset());
 - static:  2-grams of a corpus (learn_static(), like llama-lookup-create), used
   to weight candidates and as the last fallback.
@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ._history import SeenHistory, as_array, check_range
+from ._history import SeenHistory, as_array, check_range, verified_part
 
 Table = dict[tuple[int, ...], dict[int, int]]
 
@@ -167,9 +167,11 @@ class CacheProposer:
         if len(arr) > keep:
             count_ngrams(self.context, arr.tolist(), start=keep)
 
-    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
+        """Draft after `history`; only its first `n_verified` tokens (all
+        when None) are verified, and only those are counted in the context."""
         arr = as_array(history)
-        self._sync(arr)
+        self._sync(verified_part(arr, n_verified))
         if n_max <= 0:
             return []
         return draft_from_caches(arr[-NGRAM_MAX:].tolist(), min(self.n_draft, n_max),

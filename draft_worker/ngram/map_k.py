@@ -5,8 +5,9 @@ COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K ("ngram-map-k", key_only) and
 COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K4V ("ngram-map-k4v", up to 4 values per key).
 
 What is learned (per sequence): for every (key, value) that produced a draft,
-how many of its tokens the target accepted last time; the next draft from that
-entry is cut to that length (0 disables the entry, as in llama.cpp).
+how many of its tokens the target accepted last time (judged on verified
+tokens only, DraftFeedback); the next draft from that entry is cut to that
+length (0 disables the entry, as in llama.cpp).
 On truncation of the history to length L, entries whose evidence lies at
 position >= L are forgotten; entries judged entirely before L are kept.
 reset() forgets everything. The value statistics themselves (which m-grams
@@ -19,7 +20,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._history import DraftFeedback, SeenHistory, as_array, check_range, occurrences
+from ._history import DraftFeedback, SeenHistory, as_array, check_range, occurrences, verified_part
 
 SIZE_N = 12          # --spec-ngram-map-k[4v]-size-n
 SIZE_M = 48          # --spec-ngram-map-k[4v]-size-m
@@ -101,25 +102,23 @@ class NgramMapProposer:
             self.accepted = {k: v for k, v in self.accepted.items() if v[1] <= keep}
         return keep
 
-    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
+        """Draft after `history`; only its first `n_verified` tokens (all
+        when None) are verified, and only those teach and judge."""
         arr = as_array(history)
-        self._sync(arr)
-        self._feedback.clear()
-        if n_max <= 0:
-            return []
-        match = find_map_draft(arr, self.size_n, self.size_m, self.min_hits, self.key_only)
-        if match is None:
-            return []
-        ident = (match.key, match.value)
-        cap = self.accepted.get(ident, (self.size_m, 0))[0]
-        draft = arr[match.start : match.start + min(self.size_m, cap, n_max)].tolist()
-        if draft:
-            self._feedback.set(len(arr), draft, ident)
+        verified = verified_part(arr, n_verified)
+        self.observe(verified)
+        draft: list[int] = []
+        ident = None
+        match = find_map_draft(arr, self.size_n, self.size_m, self.min_hits, self.key_only) if n_max > 0 else None
+        if match is not None:
+            ident = (match.key, match.value)
+            cap = self.accepted.get(ident, (self.size_m, 0))[0]
+            draft = arr[match.start : match.start + min(self.size_m, cap, n_max)].tolist()
+        self._feedback.add(arr, len(verified), draft, ident)
         return draft
 
     def observe(self, history: Sequence[int]) -> None:
         arr = as_array(history)
-        got = self._feedback.measure(arr, self._sync(arr))
-        if got is not None:
-            ident, n_acc, evidence_end = got
-            self.accepted[ident] = (n_acc, evidence_end)
+        for judged in self._feedback.measure(arr, self._sync(arr)):
+            self.accepted[judged.tag] = (judged.accepted, judged.evidence_end)

@@ -11,6 +11,8 @@ What is learned and what is kept:
   kept across requests); clear() empties it. It is emptied automatically when
   more than a quarter of it is used, or after 5 drafts in a row of which less
   than a quarter was accepted (both llama.cpp rules).
+- only verified tokens (`n_verified` of propose(); all that observe() gets)
+  are added to the table and judge drafts (DraftFeedback);
 - when the history is truncated to length L, the slots written by n-grams whose
   next token sat at position >= L are emptied (if they still hold that token),
   then slots that kept history also maps to are refilled from it; everything
@@ -22,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._history import DraftFeedback, SeenHistory, as_array, check_range
+from ._history import DraftFeedback, SeenHistory, as_array, check_range, verified_part
 
 N_MATCH = 24               # --spec-ngram-mod-n-match
 N_MAX = 64                 # --spec-ngram-mod-n-max
@@ -161,33 +163,32 @@ class ModProposer:
                 self.table.clear()
                 self.table.add(arr, np.arange(end))
 
-    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
         arr = as_array(history)
-        self._sync(arr)
-        self._feedback.clear()
-        if n_max <= 0 or len(arr) < self.n_match:
-            return []
-        limit = min(self.n_max, max(self.n_min, n_max))
-        draft = self.table.draft(arr[-self.n_match :].tolist(), limit)
-        if len(draft) < limit and len(draft) < self.n_min:
-            return []
-        draft = draft[:n_max]
-        if draft:
-            self._feedback.set(len(arr), draft, len(draft))
+        verified = verified_part(arr, n_verified)
+        self._judge(verified, self._sync(verified))
+        draft: list[int] = []
+        if n_max > 0 and len(arr) >= self.n_match:
+            limit = min(self.n_max, max(self.n_min, n_max))
+            draft = self.table.draft(arr[-self.n_match :].tolist(), limit)
+            draft = [] if len(draft) < limit and len(draft) < self.n_min else draft[:n_max]
+        self._feedback.add(arr, len(verified), draft, len(draft))
         return draft
 
     def observe(self, history: Sequence[int]) -> None:
         arr = as_array(history)
-        got = self._feedback.measure(arr, self._sync(arr))
-        if got is None:
-            return
-        n_drafted, n_acc, _ = got
-        if n_acc < LOW_ACCEPT * n_drafted:
+        self._judge(arr, self._sync(arr))
+
+    def _judge(self, verified: np.ndarray, keep: int) -> None:
+        """Count the drafts the verified history judges (llama.cpp's accept):
+        a run of LOW_STREAK drafts mostly rejected empties the table."""
+        for judged in self._feedback.measure(verified, keep):
+            if judged.accepted >= LOW_ACCEPT * judged.tag:  # tag: the draft's length
+                self._n_low = 0
+                continue
             self._n_low += 1
             if self._n_low >= LOW_STREAK:
                 self.table.clear()
                 self._n_low = 0
                 self._added = 0
-                self._ingest(arr)
-        else:
-            self._n_low = 0
+                self._ingest(verified)

@@ -58,7 +58,8 @@ class SimpleProposer:
         self.size_n = check_range("size_n", size_n, 1, 1024)
         self.size_m = check_range("size_m", size_m, 1, 1024)
 
-    def propose(self, history: Sequence[int], n_max: int) -> list[int]:
+    def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
+        """`n_verified`: unused, nothing is learned."""
         if n_max <= 0:
             return []
         return draft_simple(as_array(history), self.size_n, self.size_m)[:n_max]
