@@ -23,8 +23,14 @@ router and RPC time, waiting for the batch, processes sharing cores) is
 learned from measured step times, per load level, as seconds added to a
 step. A draft that fell behind (it is not fed
 while a session does not draft, nor prefilled when drafting could not pay)
-first decodes what it missed: that cost is spread over the steps left. Pure
-functions and small classes, so they are tested without models.
+first decodes what it missed: that cost is spread over the steps left.
+
+A curve timed at start-up can be wrong (the other worker computing on the
+same cores while it was timed), and without drafting no multi-token
+verification would ever show it: `CostCheck` rejects curves no machine
+produces, curves learn from the batches the router sees (`CostCurve`), and a
+load level where nobody drafts gets a short trial now and then (`Trials`).
+Pure functions and small classes, so they are tested without models.
 """
 from __future__ import annotations
 
@@ -34,6 +40,54 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+
+@dataclass(frozen=True)
+class CostCheck:
+    """What a curve of decode costs (batch tokens, seconds) must look like to
+    be believed: a batch is not cheaper than a smaller one (by more than
+    `slack`, timing noise), and not dearer than decoding it as smaller
+    batches one after another (by more than `margin`). A disturbance only
+    adds time; when it hits some batch sizes and not others it breaks one of
+    these (a 2-token batch timed while the other worker calibrated on the
+    same cores looked five times dearer than one token). Workers time again
+    when a curve fails; the router believes only `repair`ed curves."""
+
+    margin: float = 0.15
+    slack: float = 0.10
+
+    def problems(self, points) -> list[str]:
+        """Each pair of batch sizes that breaks the rules, worded for a log."""
+        pts = sorted(points)
+        out = []
+        for j, (n, t) in enumerate(pts):
+            for m, u in pts[:j]:
+                if t < u * (1.0 - self.slack):
+                    out.append(f"{n} tokens {t * 1e3:.1f} ms < {m} tokens {u * 1e3:.1f} ms")
+                elif t > self._cap(n, m, u):
+                    out.append(f"{n} tokens {t * 1e3:.1f} ms > {-(-n // m)} x {m} tokens {u * 1e3:.1f} ms "
+                               f"+ {self.margin:.0%}")
+        return out
+
+    def repair(self, points) -> tuple[tuple[int, float], ...]:
+        """The curve lowered until it passes: each size no dearer than any
+        bigger one, nor than smaller batches one after another. Only lowers,
+        since disturbances only add time; leaves a curve that passes as it
+        is, up to `slack`."""
+        pts = sorted(points)
+        n = [x for x, _ in pts]
+        t = [y for _, y in pts]
+        for i in range(len(t) - 2, -1, -1):
+            t[i] = min(t[i], t[i + 1])
+        for j in range(1, len(t)):
+            t[j] = min([t[j]] + [self._cap(n[j], n[i], t[i]) for i in range(j)])
+        return tuple(zip(n, t))
+
+    def _cap(self, n: int, m: int, u: float) -> float:
+        return -(-n // m) * u * (1.0 + self.margin)
+
+
+COST_CHECK = CostCheck()
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -53,15 +107,30 @@ class CostCurve:
     linear beyond the last. Those points are taken on an idle worker, both
     workers alike, so the two curves compare fairly; what the machine adds
     under load shows in the measured step times (`Slowdown`). A worker that
-    did not calibrate gets the decodes the router sees as its points."""
+    did not calibrate gets the decodes the router sees as its points.
 
-    def __init__(self, points=(), weight: float = 0.2):
+    A calibrated curve is believed once `CostCheck.repair`ed, and learns
+    downwards only: a batch of n tokens the router saw take s seconds says
+    the biggest timed size not above n costs at most s. Each point is the
+    median of its last `window` such figures, capped at the calibration,
+    with the calibration counted `prior` times, so it moves only when most
+    recent batches were cheaper (some are, by their shape: prompts want
+    fewer rows of logits) and never above what was timed (load shows in
+    `Slowdown`)."""
+
+    def __init__(self, points=(), weight: float = 0.2, window: int = 8, prior: int = 2):
         self.weight = weight
         self._n: list[int] = []
         self._t: list[float] = []
         for n, t in points:
             self._add(n, t, 1.0)
         self.calibrated = len(self._n) >= 2
+        if self.calibrated:
+            self._t = [t for _, t in COST_CHECK.repair(zip(self._n, self._t))]
+        self._timed = list(self._t)
+        self._learned = list(self._t)
+        self._prior = prior
+        self._seen = [collections.deque(maxlen=window) for _ in self._n]
 
     def __len__(self) -> int:
         return len(self._n)
@@ -77,8 +146,16 @@ class CostCurve:
             self._t.insert(i, seconds)
 
     def observe(self, n: int, seconds: float) -> None:
+        """A batch of n tokens the router saw take `seconds`."""
         if not self.calibrated:
             self._add(n, seconds, self.weight)
+            return
+        i = bisect.bisect_right(self._n, n) - 1
+        if i < 0 or seconds <= 0:
+            return
+        self._seen[i].append(min(seconds, self._timed[i]))
+        self._learned[i] = statistics.median_high([self._timed[i]] * self._prior + list(self._seen[i]))
+        self._t = [t for _, t in COST_CHECK.repair(zip(self._n, self._learned))]
 
     def __call__(self, n: float) -> float:
         if not self._n:
@@ -298,6 +375,71 @@ class RecentPeak:
 
 
 @dataclass
+class Trials:
+    """One load level's trials of drafting where the model says it does not
+    pay. The model rests on curves timed once at start-up; where nobody
+    drafts, no verification of several tokens shows a wrong one, and a
+    wrong "never pays" would last for good. So a level where nobody drafts
+    earns trial steps at `share` of its rounds (its steps over its
+    sessions: a trial step slows the batch every session's step shares)
+    and, once it holds `steps` of them, drafts that many steps at the
+    request's bound (the first at once alone: `level_trials`). A trial's
+    steps cost the others several rounds (the first pays the draft's
+    catch-up while the target gives it a core), so they are rare. Drafting the model
+    chose counts as one of a running trial's steps (a trial ends after its
+    steps, not at the first the model drafts on its own, which alone says
+    little) and, outside one, spends what was earned (its evidence is
+    fresh). Only sessions whose
+    draft lags at most `max_lag` tokens take part: a trial must not pay a
+    long catch-up. So trial steps never exceed `steps` + `share` of the
+    rounds."""
+
+    steps: int = 3
+    share: float = 0.001
+    max_lag: int = 64
+    credit: float | None = None  # trial steps earned; None: a trial's worth, the first at once
+    left: int = 0  # steps of the running trial
+    taken: int = 0  # trial steps so far
+
+    def __post_init__(self) -> None:
+        if self.credit is None:
+            self.credit = float(self.steps)
+
+    def due(self) -> bool:
+        return self.left > 0 or self.credit >= self.steps
+
+    def decide(self, k: int, n_max: int, n_sessions: int, lag: int) -> int:
+        """A session's draft length this step: the model's `k`, or `n_max` for a trial step."""
+        if k == 0:
+            self.credit = min(self.credit + self.share / max(n_sessions, 1), float(self.steps))
+            if lag > self.max_lag or not self.due():
+                return 0
+            if self.left == 0:
+                self.left, self.credit = self.steps, self.credit - self.steps
+            self.taken += 1
+            k = n_max
+        elif self.left == 0:
+            self.credit = 0.0
+        self.left = max(self.left - 1, 0)
+        return k
+
+
+def level_trials(level: int) -> Trials:
+    """A load level's Trials. Alone the first comes at once: a lone session
+    that never drafts is what a wrong curve shows first (issue #24), and
+    nobody waits on its trial. Under load the first is earned like the rest,
+    as a fresh router's trial at every level cost a short load benchmark
+    some throughput where drafting does not pay."""
+    return Trials() if level == 1 else Trials(credit=0.0)
+
+
+def load_level(n_sessions: int) -> int:
+    """Sessions on the target in powers of two: what a Controller keeps its
+    figures and trials per."""
+    return max(n_sessions, 1).bit_length()
+
+
+@dataclass
 class Controller:
     """What the router keeps for adaptive speculation: both workers' cost
     curves, the acceptance seen across sessions (the prior of a new one) and
@@ -309,6 +451,8 @@ class Controller:
     draft_prompt: CostCurve = field(default_factory=CostCurve)  # a catch-up's price; empty: as `draft`
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
+    trials: dict[int, Trials] = field(default_factory=dict)
+    new_trials: Callable[[int], Trials] = level_trials  # lambda level: Trials(credit=0.0, share=0.0): none
     # how much drafting must be predicted to beat target-only by: with recent
     # evidence at that load level `margin`, without it `untried_margin`. The
     # calibrated model errs one way under load (two processes decoding at
@@ -323,22 +467,40 @@ class Controller:
         return Acceptance(prior=self.overall.rate)
 
     def slowdown(self, n_sessions: int) -> Slowdown:
-        return self.slowdowns.setdefault(max(n_sessions, 1).bit_length(), Slowdown())
+        return self.slowdowns.setdefault(load_level(n_sessions), Slowdown())
+
+    def trial(self, n_sessions: int) -> Trials:
+        level = load_level(n_sessions)
+        if level not in self.trials:
+            self.trials[level] = self.new_trials(level)
+        return self.trials[level]
 
     def choose(self, acc: Acceptance | None, n_max: int, n_sessions: int, hidden: float, overlap: bool,
                n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> int:
-        """A session's draft length this step; acc None asks whether drafting
-        could pay at all now (acceptance 1)."""
+        """A session's draft length this step, a trial step's included
+        (`Trials`); acc None asks whether drafting could pay at all now
+        (acceptance 1), or a trial is due (so the draft gets the prompt)."""
         a = 1.0 if acc is None else acc.optimistic
         slow = self.slowdown(n_sessions)
         now = self.clock()
         extra_plain, extra_drafting = slow.extras(now)
         w = slow.freshness(now)
-        return choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
-                                   margin=w * self.margin + (1.0 - w) * self.untried_margin,
-                                   n_drafting=n_drafting, lag=lag, remaining=remaining,
-                                   extra_plain=extra_plain, extra_drafting=extra_drafting,
-                                   target_shared=self.target_shared, catch_up=self.draft_prompt)
+        k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
+                                margin=w * self.margin + (1.0 - w) * self.untried_margin,
+                                n_drafting=n_drafting, lag=lag, remaining=remaining,
+                                extra_plain=extra_plain, extra_drafting=extra_drafting,
+                                target_shared=self.target_shared, catch_up=self.draft_prompt)
+        trials = self.trial(n_sessions)
+        if acc is None:
+            return k or (n_max if trials.due() else 0)
+        return trials.decide(k, n_max, n_sessions, lag)
+
+    def observe_target(self, n_tokens: int, seconds: float, draft_busy: bool = False) -> None:
+        """A target batch the router saw (a verification's, with whatever
+        shared it: other sessions' tokens and prompts). One that ran while
+        the draft computed ran on the target's own threads: it prices
+        `target_shared`, when the target timed that."""
+        (self.target_shared if draft_busy and len(self.target_shared) else self.target).observe(n_tokens, seconds)
 
     def predict(self, acc: Acceptance | None, k: int, n_sessions: int, hidden: float, overlap: bool,
                 n_drafting: int | None = None, lag: int = 0, remaining: int = 0,

@@ -1,7 +1,9 @@
 """`specd bench --concurrency 1,2,4,8,16`: aggregate throughput under load.
 
 One cluster (target, draft, router as processes, each worker hosting as many
-sequences as the highest concurrency). For each concurrency C, C client
+sequences as the highest concurrency), or with --fresh-starts a new one each
+repetition, both workers started at once: the share of starts whose
+adaptive cells drafted is reported. For each concurrency C, C client
 sessions run at once, each sending its share of the same request list one
 after the other; for each mode the same requests:
 
@@ -94,8 +96,8 @@ def target_counters(ports: list[int], host: str = "127.0.0.1") -> dict[str, floa
 
 
 def bench_load(args) -> dict:
-    from specd.bench import load_prompts, resolve_draft, resolve_target, split_drafts
-    from specd.launcher import Cluster, ClusterSpec
+    from specd.bench import clusters, fresh_start_summary, load_prompts, resolve_draft, resolve_target, split_drafts
+    from specd.launcher import ClusterSpec
 
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = tuple(getattr(args, "modes", MODES))
@@ -110,30 +112,33 @@ def bench_load(args) -> dict:
                        n_ctx=args.n_ctx, n_seq=max(levels), router_args=["--no-prompt-cache"], metrics=True)
     cells: dict[tuple[int, str], list[dict]] = {}
     mismatches = []
+    fresh = getattr(args, "fresh_starts", False)
+    starts: list[int] = []  # per fresh start: tokens its adaptive cells drafted
     bar = tqdm(total=len(levels) * len(modes) * args.repeats, desc="specd bench (load)", unit="cell")
-    with Cluster(spec) as cluster:
+    for rep, cluster in clusters(spec, args.repeats, fresh):
         targets = [port for name, port in cluster.metrics_ports.items() if name.startswith("target")]
-        for rep in range(args.repeats):
-            for c in levels:
-                n_req = max(args.requests_per_session * c, args.min_requests)
-                prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
-                ref = ref_mode = None
-                for mode in mode_order(modes, rep):
-                    before = target_counters(targets, spec.host)
-                    cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
-                    after = target_counters(targets, spec.host)
-                    cell["target"] = {k: after[k] - before[k] for k in after}
-                    cells.setdefault((c, mode), []).append(cell)
-                    if ref is None:
-                        ref, ref_mode = cell["tokens"], mode
-                    elif cell["tokens"] != ref:
-                        request, position = first_difference(ref, cell["tokens"])
-                        mismatches.append({"repetition": rep, "sessions": c, "mode": mode, "against": ref_mode,
-                                           "request": request, "position": position,
-                                           "expected": ref[request][position:position + 4],
-                                           "got": cell["tokens"][request][position:position + 4]})
-                    bar.update(1)
-                    bar.set_postfix_str(f"C={c} {mode}: {cell['tok_s']:.1f} tok/s")
+        starts.append(0)
+        for c in levels:
+            n_req = max(args.requests_per_session * c, args.min_requests)
+            prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
+            ref = ref_mode = None
+            for mode in mode_order(modes, rep):
+                before = target_counters(targets, spec.host)
+                cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
+                after = target_counters(targets, spec.host)
+                cell["target"] = {k: after[k] - before[k] for k in after}
+                cells.setdefault((c, mode), []).append(cell)
+                starts[-1] += cell["drafted"] if mode == "adaptive" else 0
+                if ref is None:
+                    ref, ref_mode = cell["tokens"], mode
+                elif cell["tokens"] != ref:
+                    request, position = first_difference(ref, cell["tokens"])
+                    mismatches.append({"repetition": rep, "sessions": c, "mode": mode, "against": ref_mode,
+                                       "request": request, "position": position,
+                                       "expected": ref[request][position:position + 4],
+                                       "got": cell["tokens"][request][position:position + 4]})
+                bar.update(1)
+                bar.set_postfix_str(f"C={c} {mode}: {cell['tok_s']:.1f} tok/s")
     bar.close()
     rows = []
     for (c, mode), runs in cells.items():
@@ -163,8 +168,10 @@ def bench_load(args) -> dict:
                      "requests_per_session": args.requests_per_session, "min_requests": args.min_requests,
                      "repeats": args.repeats, "target_threads": args.target_threads,
                      "target_threads_batch": args.target_threads_batch,
-                     "draft_threads": args.draft_threads, "greedy": True, "prompt_cache": False},
+                     "draft_threads": args.draft_threads, "greedy": True, "prompt_cache": False,
+                     "fresh_starts": fresh},
         "greedy_output_mismatches": mismatches,
+        "fresh_starts": {"adaptive": fresh_start_summary(starts)} if fresh and "adaptive" in modes else {},
         "rows": sorted(rows, key=lambda r: (r["concurrency"], KNOWN_MODES.index(r["mode"]))),
         "pooled_under_load": {m: pooled_under_load(tok_s, levels, m) for m in modes if m != "target-only"},
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -265,6 +272,9 @@ def markdown(result: dict) -> str:
         lines.append(f"× target-only per repetition, pooled over {levels[1]}–{levels[-1]} sessions: " + "; ".join(
             f"{m} {p['geomean']:.3f} [{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}] ({p['pairs']} pairs)"
             for m, p in pooled.items()) + ".")
+    from specd.bench import fresh_start_lines
+
+    lines += fresh_start_lines(result.get("fresh_starts", {}))
     for m in result["greedy_output_mismatches"]:
         lines.append(f"- repetition {m['repetition']}, {m['sessions']} sessions: {m['mode']} differs from "
                      f"{m['against']} at request {m['request']}, token {m['position']} "

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from router.adaptive import (Acceptance, Controller, CostCurve, RecentPeak, choose_draft_length, expected_tokens,
-                             round_seconds)
+from router.adaptive import (Acceptance, Controller, CostCurve, RecentPeak, Trials, choose_draft_length,
+                             expected_tokens, round_seconds)
 from specd.scheduler import op_key, take_window
 
 
@@ -197,10 +197,15 @@ TARGET_HERE = [(1, 19.6), (2, 22.9), (4, 26.9), (8, 40.5), (16, 50.2), (32, 79.0
 DRAFT_HERE = [(1, 7.6), (2, 13.7), (4, 23.7), (8, 42.2), (16, 80.4), (32, 159.4), (64, 320.0)]
 
 
-def controller_here(clock=lambda: 100.0) -> Controller:
+def no_trials(level: int = 1) -> Trials:
+    """What the model alone decides: these tests are about it (trials: test_adaptive_trials.py)."""
+    return Trials(credit=0.0, share=0.0)
+
+
+def controller_here(clock=lambda: 100.0, new_trials=no_trials) -> Controller:
     """A controller with the default pair's curves as timed here."""
     ms = lambda pts: CostCurve([(n, t / 1e3) for n, t in pts])  # noqa: E731
-    return Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=clock)
+    return Controller(target=ms(TARGET_HERE), draft=ms(DRAFT_HERE), clock=clock, new_trials=new_trials)
 
 
 def test_a_per_step_overhead_does_not_make_drafting_look_cheap():
@@ -370,12 +375,13 @@ def test_a_drafts_catch_up_is_priced_with_one_row_of_logits():
     output row costs the Q4_1 draft 2.5-5 ms, a 32-token catch-up is priced
     with 31 rows it does not compute, enough here to stop drafting."""
     target = CostCurve([(1, 0.016), (2, 0.022), (4, 0.030), (8, 0.047), (16, 0.080), (32, 0.150)])
-    rows = CostCurve([(1, 0.007), (2, 0.019), (4, 0.035), (8, 0.054), (16, 0.110), (32, 0.600)])
+    # curves CostCheck believes: no batch dearer than its tokens one at a time
+    rows = CostCurve([(1, 0.007), (2, 0.016), (4, 0.032), (8, 0.054), (16, 0.110), (32, 0.250)])
     prompt = CostCurve([(1, 0.007), (2, 0.014), (4, 0.026), (8, 0.044), (16, 0.060), (32, 0.090)])
-    step = dict(acc=None, n_max=4, n_sessions=1, hidden=1.0, overlap=True, n_drafting=1, lag=32, remaining=64)
-    priced_by_rows = Controller(target=target, draft=rows)
+    step = dict(acc=None, n_max=4, n_sessions=1, hidden=1.0, overlap=True, n_drafting=1, lag=32, remaining=24)
+    priced_by_rows = Controller(target=target, draft=rows, new_trials=no_trials)
     assert priced_by_rows.choose(**step) == 0
-    assert Controller(target=target, draft=rows, draft_prompt=prompt).choose(**step) == 4
+    assert Controller(target=target, draft=rows, draft_prompt=prompt, new_trials=no_trials).choose(**step) == 4
     # the catch-up is the only difference: with nothing to catch up both draft
     assert priced_by_rows.choose(**{**step, "lag": 0}) == 4
 
