@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -188,9 +189,34 @@ def tok_s(runs: list[Run]) -> float:
     return sum(r.n_generated for r in runs) / sum(r.generation_seconds for r in runs)
 
 
+def clusters(spec, repeats: int, fresh: bool):
+    """(repetition, cluster) for each repetition: one cluster for all or,
+    `fresh`, a new one each time with both workers started at once (as
+    Kubernetes starts pods), each timing its decodes beside the other: a
+    start whose adaptive speculation never drafts then shows in the figures."""
+    from specd.launcher import Cluster
+
+    if not fresh:
+        with Cluster(spec) as cluster:
+            for rep in range(repeats):
+                yield rep, cluster
+        return
+    for rep in range(repeats):
+        with Cluster(dataclasses.replace(spec, start_together=True)) as cluster:
+            yield rep, cluster
+
+
+def fresh_start_summary(drafted_tokens: list[int]) -> dict:
+    """Of fresh starts, each given by the tokens its adaptive cells drafted:
+    how many drafted at all (one that never drafts is issue #24's lock-out)."""
+    drafted = sum(1 for n in drafted_tokens if n > 0)
+    return {"starts": len(drafted_tokens), "drafted": drafted,
+            "share": drafted / len(drafted_tokens) if drafted_tokens else None, "drafted_tokens": drafted_tokens}
+
+
 # ------------------------------------------------------------------ main
 def bench(args) -> dict:
-    from specd.launcher import Cluster, ClusterSpec
+    from specd.launcher import ClusterSpec
 
     target_model = resolve_target(args.target)
     prompts = load_prompts(args.workload, args.prompts)
@@ -201,6 +227,7 @@ def bench(args) -> dict:
     bar = tqdm(total=total, desc="specd bench", unit="run")
     mismatches = []
     baseline_tokens: list[list[int]] = []
+    starts: dict[str, list[int]] = {}  # per draft, per fresh start: tokens its distributed (adaptive) cells drafted
 
     def record(mode, draft, n, runs):
         cell = cells.setdefault((mode, draft, n), Cell(mode, draft, n))
@@ -217,19 +244,20 @@ def bench(args) -> dict:
                            draft_threads=args.draft_threads,
                            n_ctx=args.n_ctx, n_seq=1)
         inproc = InProcess(target_model, draft_model, ngram, args) if args.in_process else None
-        with Cluster(spec) as cluster:
-            for rep in range(args.repeats):
-                if ("target-only", "-", 0) not in cells or len(cells[("target-only", "-", 0)].reps) <= rep:
-                    base = record("target-only", "-", 0, run_distributed(cluster.router_address, prompts, args.max_tokens, None, False))
-                    baseline_tokens = baseline_tokens or [r.tokens for r in base]
-                for n in lengths:
-                    runs = record("distributed", draft, n, run_distributed(cluster.router_address, prompts, args.max_tokens, n, True))
+        for rep, cluster in clusters(spec, args.repeats, args.fresh_starts):
+            if ("target-only", "-", 0) not in cells or len(cells[("target-only", "-", 0)].reps) <= rep:
+                base = record("target-only", "-", 0, run_distributed(cluster.router_address, prompts, args.max_tokens, None, False))
+                baseline_tokens = baseline_tokens or [r.tokens for r in base]
+            starts.setdefault(draft, []).append(0)
+            for n in lengths:
+                runs = record("distributed", draft, n, run_distributed(cluster.router_address, prompts, args.max_tokens, n, True))
+                starts[draft][-1] += sum(r.n_drafted for r in runs)
+                if [r.tokens for r in runs] != baseline_tokens:
+                    mismatches.append(("distributed", draft, n))
+                if inproc is not None:
+                    runs = record("in-process", draft, n, inproc.run(prompts, args.max_tokens, n))
                     if [r.tokens for r in runs] != baseline_tokens:
-                        mismatches.append(("distributed", draft, n))
-                    if inproc is not None:
-                        runs = record("in-process", draft, n, inproc.run(prompts, args.max_tokens, n))
-                        if [r.tokens for r in runs] != baseline_tokens:
-                            mismatches.append(("in-process", draft, n))
+                        mismatches.append(("in-process", draft, n))
         if inproc is not None:
             inproc.close()
     bar.close()
@@ -247,8 +275,9 @@ def bench(args) -> dict:
                      "workload": args.workload, "prompts": len(prompts), "max_tokens": args.max_tokens,
                      "repeats": args.repeats, "target_threads": args.target_threads,
                      "target_threads_batch": args.target_threads_batch, "draft_threads": args.draft_threads,
-                     "greedy": True},
+                     "greedy": True, "fresh_starts": args.fresh_starts},
         "greedy_output_mismatches": mismatches,
+        "fresh_starts": {d: fresh_start_summary(n) for d, n in starts.items()} if args.fresh_starts else {},
         "rows": rows,
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -274,7 +303,14 @@ def markdown(result: dict) -> str:
                  f"Target {os.path.basename(s['target_model'])} ({s['target_threads']} threads, {s.get('target_threads_batch', s['target_threads'])} for batches), drafts {', '.join(s['drafts'])} "
                  f"({s['draft_threads']} thread), workload {s['workload']} ({s['prompts']} prompts × {s['max_tokens']} tokens, "
                  f"greedy), {s['repeats']} repetitions. Greedy output mismatches: {len(result['greedy_output_mismatches'])}.")
+    lines += fresh_start_lines(result.get("fresh_starts", {}))
     return "\n".join(lines) + "\n"
+
+
+def fresh_start_lines(fresh: dict) -> list[str]:
+    """Markdown for `fresh_starts` ({label: fresh_start_summary})."""
+    return [f"Fresh starts ({label}): adaptive speculation drafted in {f['drafted']} of {f['starts']} "
+            f"(tokens drafted per start: {', '.join(map(str, f['drafted_tokens']))})." for label, f in fresh.items()]
 
 
 def plot(result: dict, path: pathlib.Path) -> bool:
@@ -317,6 +353,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fresh-starts", action="store_true",
+                   help="each repetition on a new cluster whose workers start at the same moment (as Kubernetes "
+                        "starts pods); reports how many starts drafted (distributed cells are adaptive)")
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--target-threads", type=int, default=1)
     p.add_argument("--target-threads-batch", type=int, default=os.cpu_count() or 1,
@@ -327,12 +366,35 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="",
                    help="load benchmark instead: comma list of concurrent sessions, e.g. 1,2,4,8,16 (target-only, "
                         "fixed and adaptive draft length; uses the first of --drafts and --draft-lengths)")
+    p.add_argument("--protocols", type=_protocols, default="",
+                   help="protocol benchmark instead: comma list of public APIs, e.g. grpc,http: the same requests "
+                        "over each at each --concurrency (default 1,8), latency per request and HTTP's overhead "
+                        "(uses the first of --drafts and --draft-lengths)")
+    p.add_argument("--temperatures", type=_temperatures, default=(),
+                   help="sampling benchmark instead: comma list of temperatures, e.g. 0,0.7,1.0: target-only, "
+                        "exact-match and rejection (speculative sampling) acceptance side by side, per draft of "
+                        "--drafts, at the first of --draft-lengths and adaptive")
     p.add_argument("--requests-per-session", type=int, default=2, help="load benchmark: requests each session sends")
     p.add_argument("--min-requests", type=int, default=8, help="load benchmark: at least this many requests per cell")
     p.add_argument("--modes", type=_modes, default="target-only,fixed,adaptive",
                    help="load benchmark: comma list of the modes to run (target-only always runs: the others "
                         "are compared with it; target-only-again: a second target-only cell, the run's noise floor)")
     p.set_defaults(fn=main)
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    from specd.bench_temperature import parse_temperatures
+
+    return parse_temperatures(text)
+
+
+def _protocols(text: str) -> tuple[str, ...]:
+    from specd.bench_http import PROTOCOLS
+
+    asked = tuple(p.strip() for p in text.split(",") if p.strip())
+    if set(asked) - set(PROTOCOLS) or (asked and len(set(asked)) < 2):
+        raise argparse.ArgumentTypeError(f"give two or more of {', '.join(PROTOCOLS)}, got {text!r}")
+    return asked
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -349,6 +411,26 @@ def _modes(text: str) -> tuple[str, ...]:
 def main(args) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.protocols:
+        from specd import bench_http
+
+        result = bench_http.bench_protocols(args)
+        (out / "bench-protocols.json").write_text(json.dumps(result, indent=2))
+        md = bench_http.markdown(result)
+        (out / "bench-protocols.md").write_text(md)
+        print(md)
+        print(f"wrote {out / 'bench-protocols.json'}, {out / 'bench-protocols.md'}")
+        return 1 if result["greedy_output_mismatches"] else 0
+    if args.temperatures:
+        from specd import bench_temperature
+
+        result = bench_temperature.bench_temperatures(args)
+        (out / "bench-temperature.json").write_text(json.dumps(result, indent=2))
+        md = bench_temperature.markdown(result)
+        (out / "bench-temperature.md").write_text(md)
+        print(md)
+        print(f"wrote {out / 'bench-temperature.json'}, {out / 'bench-temperature.md'}")
+        return 0
     if args.concurrency:
         from specd import bench_load
 

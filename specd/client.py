@@ -55,12 +55,18 @@ class Completion:
         }
 
 
-def make_request(prompt: str | list[int], max_tokens: int | None = None, temperature: float = 0.0,
+def make_request(prompt: str | list[int] | list[dict], max_tokens: int | None = None, temperature: float = 0.0,
                  seed: int | None = None, speculative: bool | None = None, n_draft: int | None = None,
-                 stop: list[str] | None = None, adaptive: bool | None = None, **extra) -> rpb.GenerateRequest:
+                 stop: list[str] | None = None, adaptive: bool | None = None, acceptance: str | None = None,
+                 **extra) -> rpb.GenerateRequest:
+    """`prompt`: text, token ids, or chat messages as OpenAI's
+    [{"role": ..., "content": ...}] (rendered with the target's chat template).
+    `acceptance`: "exact" or "rejection" (speculative.acceptance); None: the router's default."""
     req = rpb.GenerateRequest(stop=stop or [], **extra)
     if isinstance(prompt, str):
         req.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.messages.messages.extend(wpb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         req.prompt_tokens.ids.extend(prompt)
     if max_tokens is not None:
@@ -74,6 +80,8 @@ def make_request(prompt: str | list[int], max_tokens: int | None = None, tempera
         req.speculative.n_max = n_draft
     if adaptive is not None:
         req.speculative.adaptive = adaptive
+    if acceptance is not None:
+        req.speculative.acceptance = rpb.Acceptance.Value(f"ACCEPTANCE_{acceptance.upper()}")
     return req
 
 
@@ -119,7 +127,8 @@ class RouterClient:
         self.timeout = timeout
         self.metadata = api_key_metadata(api_key)
 
-    def generate(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None, **kw) -> Completion:
+    def generate(self, prompt: str | list[int] | list[dict], on_text: Callable[[str], None] | None = None,
+                 **kw) -> Completion:
         stream = self.stub.Generate(make_request(prompt, **kw), timeout=self.timeout, metadata=self.metadata)
         return collect(stream, on_text)
 

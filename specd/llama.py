@@ -337,6 +337,10 @@ class LlamaModel:
     def apply_chat_template(self, messages: list[tuple[str, str]], add_assistant: bool = True) -> str:
         """Render messages with the model's own chat template."""
         tmpl = L.llama_model_chat_template(self._model, None)
+        if not tmpl:
+            # llama_chat_apply_template falls back to ChatML without one: a
+            # model must not be prompted in a format it may never have seen
+            raise ValueError("the model has no chat template (tokenizer.chat_template in its GGUF)")
         arr = (L.llama_chat_message * len(messages))()
         keep = []
         for i, (role, content) in enumerate(messages):
@@ -350,7 +354,7 @@ class LlamaModel:
             buf = ctypes.create_string_buffer(n)
             n = L.llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, n)
         if n < 0:
-            raise ValueError("the model has no usable chat template")
+            raise ValueError("the model's chat template is not one llama.cpp's llama_chat_apply_template knows")
         return buf.raw[:n].decode("utf-8", errors="replace")
 
     def close(self) -> None:

@@ -70,7 +70,9 @@ class SpecDecodingLogging:
 class RouterPrometheus:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("specd_requests", "Generate requests by outcome", ["outcome"], registry=r)
+        # protocol: "grpc" (specd.v1.Router) or "http" (the OpenAI-compatible API, router/http.py)
+        self.requests = Counter("specd_requests", "Generate requests by outcome and protocol", ["outcome", "protocol"],
+                                registry=r)
         self.ttft = Histogram("specd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specd_inter_token_latency_seconds", "Time between streamed tokens (per token)", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)

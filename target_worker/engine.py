@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from specd.engine import SeqState, Steps
 from specd.errors import FailedPrecondition, InvalidArgument
 from specd.model_engine import ModelEngine
-from specd.sampling import Sampling, accept
+from specd.sampling import Sampling, accept, check_draft_q
 
 
 @dataclass
@@ -22,12 +22,14 @@ class VerifyResult:
 
 
 class TargetEngine(ModelEngine):
-    def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool) -> VerifyResult:
-        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim))
+    def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
+               draft_q=()) -> VerifyResult:
+        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim, draft_q))
 
     def verify_steps(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int,
-                     trim: bool) -> Steps:
-        """Verify as steps, so verifications of several sequences share one batch."""
+                     trim: bool, draft_q=()) -> Steps:
+        """Verify as steps, so verifications of several sequences share one batch.
+        `draft_q`: the drafts' distributions for speculative sampling; empty: exact match."""
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         sampling.validate()
@@ -36,11 +38,12 @@ class TargetEngine(ModelEngine):
         self.check_batch(len(toks))
         self._check_append(seq, pos, len(toks))
         n_draft = len(toks) - 1
+        check_draft_q(draft_q, toks[1:], self.n_vocab)
         if trim and n_draft > 0 and not self.can_rm_partial:
             raise FailedPrecondition("trim needs partial removal, which this model lacks; verify with checkpoints")
         t0 = time.perf_counter()
         logits = yield from self._decode_g(seq_id, pos, toks, len(toks))
-        out = accept(logits, toks[1:].tolist(), sampling, sample_index)
+        out = accept(logits, toks[1:].tolist(), sampling, sample_index, draft_q)
         n_accepted = len(out) - 1
         if trim and n_accepted < n_draft:
             self.seq_rm(seq_id, pos + 1 + n_accepted, -1)

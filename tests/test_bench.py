@@ -137,3 +137,57 @@ def test_bench_modes_flag_takes_the_noise_floor_mode():
 
     assert _modes("adaptive,target-only-again") == ("target-only", "adaptive", "target-only-again")
     assert _modes("fixed") == ("target-only", "fixed")
+
+
+def test_temperatures_argument_and_modes():
+    import argparse
+
+    from specd.bench import add_parser
+    from specd.bench_temperature import modes
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--temperatures", "0,0.7,1.0"])
+    assert args.temperatures == (0.0, 0.7, 1.0)
+    assert parser.parse_args(["bench"]).temperatures == ()
+    for bad in ("-1", "warm", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "--temperatures", bad])
+    # greedy has one acceptance rule; sampled temperatures compare both
+    assert {a for a, _ in modes(0.0)} == {"exact"}
+    assert modes(0.7) == [("exact", "fixed"), ("exact", "adaptive"), ("rejection", "fixed"), ("rejection", "adaptive")]
+
+
+def test_bench_fresh_starts_flag_makes_a_cluster_per_repetition_and_counts_the_starts_that_drafted(monkeypatch):
+    import specd.launcher
+    from specd.bench import clusters, fresh_start_lines, fresh_start_summary
+    from specd.cli import parser
+    from specd.launcher import ClusterSpec
+
+    assert parser().parse_args(["bench", "--fresh-starts", "--repeats", "3"]).fresh_starts is True
+    assert parser().parse_args(["bench", "--concurrency", "1,2"]).fresh_starts is False
+
+    started = []
+
+    class Recording:  # what would be started: no processes in this test
+        def __init__(self, spec):
+            started.append(spec)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(specd.launcher, "Cluster", Recording)
+    spec = ClusterSpec(target_model="t.gguf", draft_model="d.gguf")
+    assert [rep for rep, _ in clusters(spec, 3, fresh=False)] == [0, 1, 2] and len(started) == 1
+    assert not started[0].start_together
+    started.clear()
+    assert [rep for rep, _ in clusters(spec, 3, fresh=True)] == [0, 1, 2]
+    assert len(started) == 3 and all(s.start_together for s in started)  # workers started at the same moment
+
+    summary = fresh_start_summary([120, 0, 57])
+    assert summary == {"starts": 3, "drafted": 2, "share": 2 / 3, "drafted_tokens": [120, 0, 57]}
+    assert fresh_start_lines({"adaptive": summary}) == [
+        "Fresh starts (adaptive): adaptive speculation drafted in 2 of 3 (tokens drafted per start: 120, 0, 57)."]

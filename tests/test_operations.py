@@ -41,7 +41,7 @@ def test_metrics_move_with_a_generation(metered):
         c = client.generate("The capital of France is Paris. The capital of Germany is", max_tokens=40, n_draft=4)
     r = scrape(ports["router"])
     d = lambda name, **lb: value(r, name, **lb) - value(before, name, **lb)  # noqa: E731
-    assert d("specd_requests_total", outcome="ok") == 1
+    assert d("specd_requests_total", outcome="ok", protocol="grpc") == 1
     assert d("specd_generation_tokens_total") == c.n_generated
     assert d("specd_prompt_tokens_total") == c.n_prompt
     assert d("specd_spec_decode_num_draft_tokens_total") == c.n_drafted > 0
@@ -82,7 +82,7 @@ def health(address: str) -> int | None:
 def test_router_health_follows_its_target_and_sigterm_drains(models, tmp_path):
     target_port = free_port()
     router = Proc("router", ["router", "--port", "0", "--target", f"127.0.0.1:{target_port}", "--grace-seconds", "30",
-                            "--drain-seconds", "3"], tmp_path)
+                            "--drain-seconds", "3", "--http-port", "0"], tmp_path)
     target = None
     try:
         address = f"127.0.0.1:{router.wait_port(time.monotonic() + 30)}"

@@ -22,6 +22,46 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Acceptance:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AcceptanceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Acceptance.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ACCEPTANCE_UNSPECIFIED: _Acceptance.ValueType  # 0
+    ACCEPTANCE_EXACT: _Acceptance.ValueType  # 1
+    """The target samples each position with the token index's random number
+    and keeps a draft only when it equals that sample: a seed gives the same
+    text with or without a draft, but a sampled draft is rarely kept.
+    """
+    ACCEPTANCE_REJECTION: _Acceptance.ValueType  # 2
+    """Speculative sampling: the draft samples from its own distribution q and
+    sends q along; the target keeps a draft with probability min(1, p/q) and
+    resamples from max(0, p - q) otherwise. Far more drafts are kept; a
+    seed's text then depends on the draft. Drafts without a distribution
+    (n-gram) are accepted by exact match.
+    """
+
+class Acceptance(_Acceptance, metaclass=_AcceptanceEnumTypeWrapper):
+    """How sampled drafts are accepted. Both give output that follows the
+    target's distribution exactly.
+    """
+
+ACCEPTANCE_UNSPECIFIED: Acceptance.ValueType  # 0
+ACCEPTANCE_EXACT: Acceptance.ValueType  # 1
+"""The target samples each position with the token index's random number
+and keeps a draft only when it equals that sample: a seed gives the same
+text with or without a draft, but a sampled draft is rarely kept.
+"""
+ACCEPTANCE_REJECTION: Acceptance.ValueType  # 2
+"""Speculative sampling: the draft samples from its own distribution q and
+sends q along; the target keeps a draft with probability min(1, p/q) and
+resamples from max(0, p - q) otherwise. Far more drafts are kept; a
+seed's text then depends on the draft. Drafts without a distribution
+(n-gram) are accepted by exact match.
+"""
+Global___Acceptance: _TypeAlias = Acceptance  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -68,6 +108,28 @@ class TokenIds(_message.Message):
 Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
+class ChatMessages(_message.Message):
+    """A conversation: system, user and assistant messages in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_worker_pb2.ChatMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[_worker_pb2.ChatMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015
+
+@_typing.final
 class SpeculativeParams(_message.Message):
     """Speculative decoding settings of one request; upper bounds the router may
     lower, never raise.
@@ -80,6 +142,7 @@ class SpeculativeParams(_message.Message):
     N_MIN_FIELD_NUMBER: _builtins.int
     P_MIN_FIELD_NUMBER: _builtins.int
     ADAPTIVE_FIELD_NUMBER: _builtins.int
+    ACCEPTANCE_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """Unset: on when a draft worker is configured. False: target-only decoding."""
     n_max: _builtins.int
@@ -95,6 +158,11 @@ class SpeculativeParams(_message.Message):
     down to 0, from this session's measured acceptance and what a step
     costs at the current load. Unset: the router's default (--adaptive).
     """
+    acceptance: Global___Acceptance.ValueType
+    """How the target accepts drafts when sampling (temperature > 0); greedy
+    decoding always accepts a draft when it is the target's argmax.
+    Unspecified: ACCEPTANCE_REJECTION.
+    """
     def __init__(
         self,
         *,
@@ -103,10 +171,11 @@ class SpeculativeParams(_message.Message):
         n_min: _builtins.int | None = ...,
         p_min: _builtins.float | None = ...,
         adaptive: _builtins.bool | None = ...,
+        acceptance: Global___Acceptance.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "adaptive", b"adaptive", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "adaptive", b"adaptive", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_enabled", b"_enabled", "_n_max", b"_n_max", "_n_min", b"_n_min", "_p_min", b"_p_min", "acceptance", b"acceptance", "adaptive", b"adaptive", "enabled", b"enabled", "n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adaptive: _TypeAlias = _typing.Literal["adaptive"]  # noqa: Y015
     _WhichOneofArgType__adaptive: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive"]  # noqa: Y015
@@ -137,6 +206,7 @@ class GenerateRequest(_message.Message):
 
     PROMPT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
@@ -164,6 +234,15 @@ class GenerateRequest(_message.Message):
         """Prompt as token ids, each in [0, n_vocab)."""
 
     @_builtins.property
+    def messages(self) -> Global___ChatMessages:
+        """Chat messages, rendered with the target model's own chat template
+        (Worker.ApplyChatTemplate, as llama-server renders them) and ending
+        with the opening of the assistant's turn. A target without a chat
+        template refuses them with FAILED_PRECONDITION. `add_special` does not
+        apply: BOS is added as the model asks.
+        """
+
+    @_builtins.property
     def sampling(self) -> _worker_pb2.SamplingParams:
         """Sampling of the target; unset fields mean greedy."""
 
@@ -180,6 +259,7 @@ class GenerateRequest(_message.Message):
         *,
         prompt: _builtins.str = ...,
         prompt_tokens: Global___TokenIds | None = ...,
+        messages: Global___ChatMessages | None = ...,
         max_tokens: _builtins.int | None = ...,
         sampling: _worker_pb2.SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
@@ -188,15 +268,15 @@ class GenerateRequest(_message.Message):
         n_keep: _builtins.int = ...,
         add_special: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_max_tokens", b"_max_tokens", "add_special", b"add_special", "input", b"input", "max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_max_tokens", b"_max_tokens", "add_special", b"add_special", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_max_tokens", b"_max_tokens", "add_special", b"add_special", "context_shift", b"context_shift", "input", b"input", "max_tokens", b"max_tokens", "n_keep", b"n_keep", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_add_special", b"_add_special", "_max_tokens", b"_max_tokens", "add_special", b"add_special", "context_shift", b"context_shift", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "n_keep", b"n_keep", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__add_special: _TypeAlias = _typing.Literal["add_special"]  # noqa: Y015
     _WhichOneofArgType__add_special: _TypeAlias = _typing.Literal["_add_special", b"_add_special"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
-    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "prompt_tokens"]  # noqa: Y015
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "prompt_tokens", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__add_special) -> _WhichOneofReturnType__add_special | None: ...

@@ -69,6 +69,7 @@ class ModelInfo(_message.Message):
     N_THREADS_BATCH_FIELD_NUMBER: _builtins.int
     DECODE_COSTS_SHARED_FIELD_NUMBER: _builtins.int
     PROMPT_COSTS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"model" for a llama.cpp model, "ngram" for a model-free drafter."""
     description: _builtins.str
@@ -102,6 +103,11 @@ class ModelInfo(_message.Message):
     n_threads_batch: _builtins.int
     """Threads used for batches of more than one token (llama_n_threads_batch:
     prompts, verifications, several sequences at once); n_threads otherwise.
+    """
+    instance_id: _builtins.str
+    """Random id of this worker process, new at every start. A router compares
+    it on every (re)connection: another id means the worker restarted and
+    holds no sequence, whatever the router cached before.
     """
     @_builtins.property
     def eog_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -149,10 +155,11 @@ class ModelInfo(_message.Message):
         n_threads_batch: _builtins.int = ...,
         decode_costs_shared: _abc.Iterable[Global___DecodeCost] | None = ...,
         prompt_costs: _abc.Iterable[Global___DecodeCost] | None = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "prompt_costs", b"prompt_costs", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "instance_id", b"instance_id", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "prompt_costs", b"prompt_costs", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -600,6 +607,81 @@ class DetokenizeResponse(_message.Message):
 Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015
 
 @_typing.final
+class ChatMessage(_message.Message):
+    """One message of a conversation (OpenAI's chat format, text only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user" or "assistant"."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ApplyChatTemplateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    add_generation_prompt: _builtins.bool
+    """End with the opening of an assistant turn, for the model to continue."""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        add_generation_prompt: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyChatTemplateRequest: _TypeAlias = ApplyChatTemplateRequest  # noqa: Y015
+
+@_typing.final
+class ApplyChatTemplateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The rendered conversation."""
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """`text` as token ids."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyChatTemplateResponse: _TypeAlias = ApplyChatTemplateResponse  # noqa: Y015
+
+@_typing.final
 class SamplingParams(_message.Message):
     """Sampling of the target. temperature == 0 is greedy (argmax)."""
 
@@ -658,6 +740,7 @@ class VerifyRequest(_message.Message):
     SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
     TRIM_FIELD_NUMBER: _builtins.int
     DRAFT_BUSY_FIELD_NUMBER: _builtins.int
+    DRAFT_Q_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0] (id_last); must be pos_max + 1 of the sequence."""
@@ -678,6 +761,16 @@ class VerifyRequest(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def draft_q(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenDistribution]:
+        """The distribution each draft was sampled from (ProposeResponse.q), one
+        per draft: the target then uses speculative sampling, accepting d_i with
+        probability min(1, p(d_i) / q(d_i)) and on the first rejection sampling
+        from normalise(max(0, p - q)); the output follows the target's
+        distribution either way. Empty: exact match (as above). Ignored when
+        sampling is greedy.
+        """
+
     def __init__(
         self,
         *,
@@ -688,14 +781,49 @@ class VerifyRequest(_message.Message):
         sample_index: _builtins.int = ...,
         trim: _builtins.bool = ...,
         draft_busy: _builtins.bool = ...,
+        draft_q: _abc.Iterable[Global___TokenDistribution] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VerifyRequest: _TypeAlias = VerifyRequest  # noqa: Y015
+
+@_typing.final
+class TokenDistribution(_message.Message):
+    """A sparse probability distribution over token ids: a draft's q."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    PROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids, ascending and distinct, each in [0, n_vocab); at most 1024
+        (specd.sampling.Q_MAX_SUPPORT: the draft keeps its most likely tokens).
+        """
+
+    @_builtins.property
+    def probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their probabilities, as many as ids; the target normalises them by their
+        sum, exactly as the draft did when it sampled.
+        """
+
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+        probs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids", "probs", b"probs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenDistribution: _TypeAlias = TokenDistribution  # noqa: Y015
 
 @_typing.final
 class VerifyResponse(_message.Message):
@@ -756,6 +884,8 @@ class ProposeRequest(_message.Message):
     N_MAX_FIELD_NUMBER: _builtins.int
     N_MIN_FIELD_NUMBER: _builtins.int
     P_MIN_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0]; must be pos_max + 1 of the sequence."""
@@ -765,9 +895,23 @@ class ProposeRequest(_message.Message):
     """Return no tokens when fewer than n_min could be proposed."""
     p_min: _builtins.float
     """Stop when the draft's probability of its next token is below p_min."""
+    sample_index: _builtins.int
+    """Index within the request of the token d0 would become (the
+    VerifyRequest.sample_index of the verification that checks d0); selects
+    the draft's random numbers. Used with `sampling` only.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens the draft does not hold yet, ending with id_last (at least one)."""
+
+    @_builtins.property
+    def sampling(self) -> Global___SamplingParams:
+        """The request's sampling. Set with temperature > 0: the draft samples each
+        proposal from its own distribution under these filters, with a random
+        stream of its own derived from the seed, and returns that distribution
+        (ProposeResponse.q) for speculative sampling. Unset or greedy: the draft
+        proposes its most likely tokens and returns no q.
+        """
 
     def __init__(
         self,
@@ -778,10 +922,12 @@ class ProposeRequest(_message.Message):
         n_max: _builtins.int = ...,
         n_min: _builtins.int = ...,
         p_min: _builtins.float = ...,
+        sampling: Global___SamplingParams | None = ...,
+        sample_index: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min", "pos", b"pos", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -796,6 +942,7 @@ class ProposeResponse(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     BATCH_TOKENS_FIELD_NUMBER: _builtins.int
     BATCH_SECONDS_FIELD_NUMBER: _builtins.int
+    Q_FIELD_NUMBER: _builtins.int
     compute_seconds: _builtins.float
     """Seconds the worker spent computing this call, without transport."""
     batch_tokens: _builtins.int
@@ -811,6 +958,14 @@ class ProposeResponse(_message.Message):
     def state(self) -> Global___SeqState:
         """The sequence after the call: it holds the tail and d0 .. dk-2."""
 
+    @_builtins.property
+    def q(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenDistribution]:
+        """With ProposeRequest.sampling at temperature > 0: q[i] is the distribution
+        tokens[i] was sampled from, for VerifyRequest.draft_q. Empty otherwise
+        (greedy, or a drafter without a distribution, such as n-gram: the target
+        then accepts by exact match, which is the same as a one-hot q).
+        """
+
     def __init__(
         self,
         *,
@@ -819,10 +974,11 @@ class ProposeResponse(_message.Message):
         compute_seconds: _builtins.float = ...,
         batch_tokens: _builtins.int = ...,
         batch_seconds: _builtins.float = ...,
+        q: _abc.Iterable[Global___TokenDistribution] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_seconds", b"batch_seconds", "batch_tokens", b"batch_tokens", "compute_seconds", b"compute_seconds", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_seconds", b"batch_seconds", "batch_tokens", b"batch_tokens", "compute_seconds", b"compute_seconds", "q", b"q", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,11 @@ class WorkerStub:
                 request_serializer=specd_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.ApplyChatTemplate = channel.unary_unary(
+                '/specd.v1.Worker/ApplyChatTemplate',
+                request_serializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.FromString,
+                _registered_method=True)
         self.Execute = channel.stream_stream(
                 '/specd.v1.Worker/Execute',
                 request_serializer=specd_dot_v1_dot_worker__pb2.WorkerOp.SerializeToString,
@@ -191,12 +196,27 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyChatTemplate(self, request, context):
+        """Render chat messages with the model's own chat template (its GGUF
+        tokenizer.chat_template, through llama.cpp's llama_chat_apply_template)
+        and tokenize the result with special tokens parsed and BOS added as the
+        model asks, as llama-server does for /v1/chat/completions.
+        FAILED_PRECONDITION when the model has no chat template llama.cpp knows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Execute(self, request_iterator, context):
         """The router's hot path: one long-lived ordered pipeline. Operations are
         executed strictly in the order they are sent and answered in that order,
         so the router can send a KV operation and the next decode without
         waiting for the first answer. A failed operation is answered with its
         status in `WorkerResult.error`; the stream stays open.
+        A caller may send the metadata `specd-instance-id` with the
+        ModelInfo.instance_id it attached to: the worker then refuses the stream
+        with ABORTED if it is another process, so operations meant for sequences
+        a restart lost never run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -264,6 +284,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=specd_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
                     response_serializer=specd_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'ApplyChatTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyChatTemplate,
+                    request_deserializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.SerializeToString,
             ),
             'Execute': grpc.stream_stream_rpc_method_handler(
                     servicer.Execute,
@@ -607,6 +632,33 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
+    def ApplyChatTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Worker/ApplyChatTemplate',
+            specd_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.SerializeToString,
+            specd_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Execute(request_iterator,
             target,
             options=(),
@@ -657,7 +709,8 @@ class TargetWorkerServicer:
 
     def Verify(self, request, context):
         """Decode [id_last, d0 .. dk-1] at `pos` and accept drafts while they match
-        what the target samples (llama.cpp's common_sampler_sample_and_accept_n).
+        what the target samples (llama.cpp's common_sampler_sample_and_accept_n),
+        or, given the drafts' distributions, by speculative sampling.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

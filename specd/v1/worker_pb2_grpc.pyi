@@ -73,12 +73,23 @@ class WorkerStub:
     """Text to token ids with the worker's vocabulary."""
     Detokenize: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DetokenizeRequest, _worker_pb2.DetokenizeResponse]
     """Token ids to text with the worker's vocabulary."""
+    ApplyChatTemplate: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ApplyChatTemplateRequest, _worker_pb2.ApplyChatTemplateResponse]
+    """Render chat messages with the model's own chat template (its GGUF
+    tokenizer.chat_template, through llama.cpp's llama_chat_apply_template)
+    and tokenize the result with special tokens parsed and BOS added as the
+    model asks, as llama-server does for /v1/chat/completions.
+    FAILED_PRECONDITION when the model has no chat template llama.cpp knows.
+    """
     Execute: _grpc.StreamStreamMultiCallable[_worker_pb2.WorkerOp, _worker_pb2.WorkerResult]
     """The router's hot path: one long-lived ordered pipeline. Operations are
     executed strictly in the order they are sent and answered in that order,
     so the router can send a KV operation and the next decode without
     waiting for the first answer. A failed operation is answered with its
     status in `WorkerResult.error`; the stream stays open.
+    A caller may send the metadata `specd-instance-id` with the
+    ModelInfo.instance_id it attached to: the worker then refuses the stream
+    with ABORTED if it is another process, so operations meant for sequences
+    a restart lost never run.
     """
 
 @_typing.type_check_only
@@ -112,12 +123,23 @@ class WorkerAsyncStub(WorkerStub):
     """Text to token ids with the worker's vocabulary."""
     Detokenize: _aio.UnaryUnaryMultiCallable[_worker_pb2.DetokenizeRequest, _worker_pb2.DetokenizeResponse]  # type: ignore[assignment]
     """Token ids to text with the worker's vocabulary."""
+    ApplyChatTemplate: _aio.UnaryUnaryMultiCallable[_worker_pb2.ApplyChatTemplateRequest, _worker_pb2.ApplyChatTemplateResponse]  # type: ignore[assignment]
+    """Render chat messages with the model's own chat template (its GGUF
+    tokenizer.chat_template, through llama.cpp's llama_chat_apply_template)
+    and tokenize the result with special tokens parsed and BOS added as the
+    model asks, as llama-server does for /v1/chat/completions.
+    FAILED_PRECONDITION when the model has no chat template llama.cpp knows.
+    """
     Execute: _aio.StreamStreamMultiCallable[_worker_pb2.WorkerOp, _worker_pb2.WorkerResult]  # type: ignore[assignment]
     """The router's hot path: one long-lived ordered pipeline. Operations are
     executed strictly in the order they are sent and answered in that order,
     so the router can send a KV operation and the next decode without
     waiting for the first answer. A failed operation is answered with its
     status in `WorkerResult.error`; the stream stays open.
+    A caller may send the metadata `specd-instance-id` with the
+    ModelInfo.instance_id it attached to: the worker then refuses the stream
+    with ABORTED if it is another process, so operations meant for sequences
+    a restart lost never run.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -222,6 +244,19 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         """Token ids to text with the worker's vocabulary."""
 
     @_abc_1.abstractmethod
+    def ApplyChatTemplate(
+        self,
+        request: _worker_pb2.ApplyChatTemplateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ApplyChatTemplateResponse, _abc.Awaitable[_worker_pb2.ApplyChatTemplateResponse]]:
+        """Render chat messages with the model's own chat template (its GGUF
+        tokenizer.chat_template, through llama.cpp's llama_chat_apply_template)
+        and tokenize the result with special tokens parsed and BOS added as the
+        model asks, as llama-server does for /v1/chat/completions.
+        FAILED_PRECONDITION when the model has no chat template llama.cpp knows.
+        """
+
+    @_abc_1.abstractmethod
     def Execute(
         self,
         request_iterator: _MaybeAsyncIterator[_worker_pb2.WorkerOp],
@@ -232,6 +267,10 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         so the router can send a KV operation and the next decode without
         waiting for the first answer. A failed operation is answered with its
         status in `WorkerResult.error`; the stream stays open.
+        A caller may send the metadata `specd-instance-id` with the
+        ModelInfo.instance_id it attached to: the worker then refuses the stream
+        with ABORTED if it is another process, so operations meant for sequences
+        a restart lost never run.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
@@ -245,7 +284,8 @@ class TargetWorkerStub:
     def __new__(cls, channel: _aio.Channel) -> TargetWorkerAsyncStub: ...
     Verify: _grpc.UnaryUnaryMultiCallable[_worker_pb2.VerifyRequest, _worker_pb2.VerifyResponse]
     """Decode [id_last, d0 .. dk-1] at `pos` and accept drafts while they match
-    what the target samples (llama.cpp's common_sampler_sample_and_accept_n).
+    what the target samples (llama.cpp's common_sampler_sample_and_accept_n),
+    or, given the drafts' distributions, by speculative sampling.
     """
 
 @_typing.type_check_only
@@ -255,7 +295,8 @@ class TargetWorkerAsyncStub(TargetWorkerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Verify: _aio.UnaryUnaryMultiCallable[_worker_pb2.VerifyRequest, _worker_pb2.VerifyResponse]  # type: ignore[assignment]
     """Decode [id_last, d0 .. dk-1] at `pos` and accept drafts while they match
-    what the target samples (llama.cpp's common_sampler_sample_and_accept_n).
+    what the target samples (llama.cpp's common_sampler_sample_and_accept_n),
+    or, given the drafts' distributions, by speculative sampling.
     """
 
 class TargetWorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -268,7 +309,8 @@ class TargetWorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.VerifyResponse, _abc.Awaitable[_worker_pb2.VerifyResponse]]:
         """Decode [id_last, d0 .. dk-1] at `pos` and accept drafts while they match
-        what the target samples (llama.cpp's common_sampler_sample_and_accept_n).
+        what the target samples (llama.cpp's common_sampler_sample_and_accept_n),
+        or, given the drafts' distributions, by speculative sampling.
         """
 
 def add_TargetWorkerServicer_to_server(servicer: TargetWorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
