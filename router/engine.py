@@ -34,6 +34,8 @@ from specd.tokens import history_hash
 log = logging.getLogger("specd.router")
 
 MAX_DRAFT = 64
+# a session re-syncs a draft found out of step at most this often, then goes on without it
+MAX_DRAFT_RESYNCS = 3
 # how long a failed target gets to answer before its sessions move on
 REATTACH_SECONDS = 5.0
 
@@ -246,6 +248,7 @@ class _Session:
         self.t_epoch = 0  # TargetSlot.epoch when this session's KV was put on its target
         self.d_epoch = 0  # Router.draft_epoch when the draft last held this session's tokens
         self.wants_draft = False  # speculation asked for and a draft configured
+        self.resyncs_d = 0  # times the draft was found holding other positions and caught up from 0
         self.p = params
         self.ctx = list(params.prompt)
         self.n_t = 0  # tokens of ctx the target holds
@@ -524,7 +527,7 @@ class Router:
                 try:
                     if s.t_epoch != s.tgt.epoch:
                         raise WorkerRestarted(f"{s.tgt.name} was attached again: seq {s.seq} is gone from it")
-                    use_draft = self._rejoin_draft(s, use_draft)
+                    use_draft = await self._rejoin_draft(s, use_draft)
                     if len(s.ctx) > self.n_ctx:  # no position left for id_last
                         if not self._can_shift(p):
                             result.reason = "length"
@@ -888,7 +891,7 @@ class Router:
                 use_draft = self._draft_failed(s, err)
         return use_draft
 
-    def _rejoin_draft(self, s: _Session, use_draft: bool) -> bool:
+    async def _rejoin_draft(self, s: _Session, use_draft: bool) -> bool:
         """The draft was (re)attached since this session last used it, so it
         holds nothing of the session: draft again from position 0 (the next
         Propose catches up on the whole history)."""
@@ -898,6 +901,8 @@ class Router:
             if not fut.done():
                 fut.cancel()
         s.pending_d = []
+        if s.d_epoch == -1:  # diverged, not attached again: empty the sequence first
+            s.pending_d.append(await self.draft.clear(s.seq))
         s.d_epoch = self.draft_epoch
         s.n_d, s.ahead, s.ahead_held, s.draft_prefill = 0, [], 0, None
         s.with_draft = True
@@ -933,6 +938,13 @@ class Router:
         rejoins from position 0 at its next step (_rejoin_draft)."""
         if s.d_epoch != self.draft_epoch:
             log.info("draft worker attached again under seq %d: it drafts anew from position 0", s.seq)
+        elif isinstance(exc, FailedPrecondition) and s.resyncs_d < MAX_DRAFT_RESYNCS:
+            # the draft holds other positions than the router knows (changed
+            # behind its back): a divergence, repaired from the history
+            log.error("draft worker diverged (seq %d): %s; re-syncing it from history", s.seq, exc)
+            self._diverged(s, "draft")
+            s.resyncs_d += 1
+            s.d_epoch = -1  # _rejoin_draft catches it up from 0 at the next step
         else:
             log.warning("draft worker failed for seq %d, continuing target-only: %s", s.seq, exc)
         if isinstance(exc, Unavailable) and self.draft_up and s.d_epoch == self.draft_epoch:
