@@ -408,6 +408,14 @@ def _modes(text: str) -> tuple[str, ...]:
     return tuple(m for m in KNOWN_MODES if m in asked | {"target-only"})
 
 
+def _report(out: pathlib.Path, name: str, result: dict, md: str) -> None:
+    """Write a run's figures as JSON and markdown, and show the markdown."""
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}")
+
+
 def main(args) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -415,31 +423,19 @@ def main(args) -> int:
         from specd import bench_http
 
         result = bench_http.bench_protocols(args)
-        (out / "bench-protocols.json").write_text(json.dumps(result, indent=2))
-        md = bench_http.markdown(result)
-        (out / "bench-protocols.md").write_text(md)
-        print(md)
-        print(f"wrote {out / 'bench-protocols.json'}, {out / 'bench-protocols.md'}")
+        _report(out, "bench-protocols", result, bench_http.markdown(result))
         return 1 if result["greedy_output_mismatches"] else 0
     if args.temperatures:
         from specd import bench_temperature
 
         result = bench_temperature.bench_temperatures(args)
-        (out / "bench-temperature.json").write_text(json.dumps(result, indent=2))
-        md = bench_temperature.markdown(result)
-        (out / "bench-temperature.md").write_text(md)
-        print(md)
-        print(f"wrote {out / 'bench-temperature.json'}, {out / 'bench-temperature.md'}")
+        _report(out, "bench-temperature", result, bench_temperature.markdown(result))
         return 0
     if args.concurrency:
         from specd import bench_load
 
         result = bench_load.bench_load(args)
-        (out / "bench-load.json").write_text(json.dumps(result, indent=2))
-        md = bench_load.markdown(result)
-        (out / "bench-load.md").write_text(md)
-        print(md)
-        print(f"wrote {out / 'bench-load.json'}, {out / 'bench-load.md'}")
+        _report(out, "bench-load", result, bench_load.markdown(result))
         return 1 if result["greedy_output_mismatches"] else 0
     result = bench(args)
     (out / "bench.json").write_text(json.dumps(result, indent=2))
