@@ -374,6 +374,15 @@ def add_parser(sub) -> None:
                    help="sampling benchmark instead: comma list of temperatures, e.g. 0,0.7,1.0: target-only, "
                         "exact-match and rejection (speculative sampling) acceptance side by side, per draft of "
                         "--drafts, at the first of --draft-lengths and adaptive")
+    p.add_argument("--llama-server", nargs="?", const="auto", default="", metavar="PATH",
+                   help="compare with llama.cpp's llama-server (PATH, or the one scripts/build-llama-server.sh "
+                        "builds): llama-server with and without the draft, specd and specd without speculation, "
+                        "at --concurrency (default 1,2,4,8,16); --drafts' first model is the draft, "
+                        "--draft-lengths' first value its length")
+    p.add_argument("--ngram", action="append", default=[], metavar="SPEC",
+                   help="with --llama-server: compare specd's n-gram drafter SPEC (one type, e.g. "
+                        "mod:n-match=4:n-min=0:n-max=16) with llama-server's --spec-type of the same parameters "
+                        "(repeatable)")
     p.add_argument("--requests-per-session", type=int, default=2, help="load benchmark: requests each session sends")
     p.add_argument("--min-requests", type=int, default=8, help="load benchmark: at least this many requests per cell")
     p.add_argument("--modes", type=_modes, default="target-only,fixed,adaptive",
@@ -431,6 +440,12 @@ def main(args) -> int:
         result = bench_temperature.bench_temperatures(args)
         _report(out, "bench-temperature", result, bench_temperature.markdown(result))
         return 0
+    if args.llama_server:
+        from specd import bench_server
+
+        result = bench_server.bench_vs_server(args)
+        _report(out, "bench-llama-server", result, bench_server.markdown(result))
+        return 1 if result["greedy_output_mismatches"] else 0
     if args.concurrency:
         from specd import bench_load
 
