@@ -121,7 +121,9 @@ class LlamaServer:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=1800) as r:
-            return Answer(json.loads(r.read())["tokens"])
+            out = json.loads(r.read())
+        # llama-server lists the end-of-generation token it stopped at; specd does not
+        return Answer(out["tokens"][:-1] if out.get("stop_type") == "eos" else out["tokens"])
 
     def stop(self) -> None:
         self.proc.terminate()
