@@ -273,12 +273,10 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
 class Slowdown:
     """Seconds measured steps took beyond the predicted ones at one load
     level, for steps that drafted and steps that did not: the median of the
-    last `window` of each. A burst of steps queued behind a prompt or a
-    draft's catch-up must not make every step look slow: a moving average
-    of plain steps reached 36 ms at 2 sessions where the median was 8 (and
-    both sessions drafted at a loss), one of drafting steps 45-58 ms at one
-    session where typical steps took 20-35 (and drafting stopped where it
-    gave 1.7x). What a request's first drafting step adds (the draft's
+    last `window` of each, so that a burst of steps queued behind a prompt
+    or a draft's catch-up does not make every step look slow (a moving
+    average let such bursts make sessions draft at a loss, or stop drafting
+    where it paid). What a request's first drafting step adds (the draft's
     catch-up) the model prices itself (`lag`).
     Added, not multiplied: what the model leaves out is mostly a per-step
     cost (router and RPC time, waiting for the batch to gather), and as a
@@ -288,8 +286,8 @@ class Slowdown:
     Both figures count only while drafting steps at this level are recent:
     a per-step cost seen on plain steps alone says nothing of what drafting
     would add there, yet would make drafting look like it amortises that
-    cost (at 16 sessions every session then tried 4 drafts at once, and
-    steps took seconds). So they fade, with `half_life` seconds since the
+    cost (under heavy load every session would then draft at once, at a
+    loss). So they fade, with `half_life` seconds since the
     last drafting step, back to the model as calibrated: a load level where
     the model says drafting cannot pay never drafts; one where it can is
     tried again once what drafting showed there has faded."""
@@ -328,11 +326,9 @@ class Slowdown:
     def extras(self, now: float) -> tuple[float, float]:
         """(plain, drafting) seconds to add to the model's steps now: each
         median weighed against the model as calibrated (which adds nothing)
-        by how many steps it rests on. A figure from one step must not rule:
-        after a minute without drafting at one session the first drafting
-        step took 110 ms against 66 predicted (threads and caches cold),
-        that step alone was the median, and drafting stopped for 9 s where
-        it gave 1.7x."""
+        by how many steps it rests on, so that one step does not rule: the
+        first drafting step after a pause runs cold, and alone it would
+        stop drafting where drafting pays."""
         w = self.freshness(now)
         return (w * self._weight(self.recent_plain) * self.plain,
                 w * self._weight(self.recent_drafting) * self.drafting)
@@ -347,13 +343,9 @@ class RecentPeak:
     highest count of the last `hold` seconds. Speculation decides on it, so
     the gap between two requests of a client (another session alone for a
     moment) does not start drafting, and the draft's catch-up on its
-    context, just before the load is back. Measured in the load benchmark's
-    router log: such gaps last 5 ms (median) to 79 ms (max) at two
-    sessions, 97 to 163 ms (median, 90th percentile) at 9-16.
-    A peak halving every 0.5 s instead held a lone session after a wave of
-    16 at 9 down to 2 sessions, and without drafts, for 1.6 s: a request and
-    a third of the eight of a one-session benchmark cell (halving every 2 s,
-    for 7 s).
+    context, just before the load is back. `hold` outlasts such gaps and
+    no more: a peak that decays slowly instead keeps a lone session left
+    after a wave of load from drafting for a good part of its requests.
     Past the hold the session count is what it is; a session that drafts
     while the load comes back stops at its next step, and its draft's
     catch-up is priced (`lag`)."""
@@ -530,18 +522,15 @@ class Controller:
         while the draft computed (`draft_busy`: the target gave back the
         cores it borrows), waited on work of other sessions. Its time says
         nothing of what a step costs when nobody drafts, so it is not
-        counted: at 2 sessions one session drafting made the other's plain
-        steps take 60-70 ms, the plain figure learned +35 ms, and against
-        that drafting looked twice as fast as not, for both sessions.
+        counted: one session drafting would make the others' plain steps
+        look dear, and drafting look cheap beside them, for every session.
 
         A plain step is judged against its batch's measured seconds when
         those exceed the model's (`batch_seconds`): with a KV stream per
         sequence, sessions whose ids are not contiguous (those left as
-        others finish) take a model pass each, and 7 single tokens took
-        56-58 ms against 20 modelled. Taken for per-step overhead, that
-        carried to the next, denser, load made plain steps look 57 ms slower
-        than they were, every session drafted, and no plain step was left
-        to correct it (0.51x target-only at 4 sessions)."""
+        others finish) take a model pass each. Taken for per-step overhead,
+        that would carry to the next, denser, load, make every session draft
+        there, and leave no plain step to correct it."""
         if predicted <= 0 or seconds <= 0:
             return
         if not drafted:

@@ -24,9 +24,8 @@ back to back) and over repetitions by the geometric mean of those ratios
 with a bootstrap 90% interval. Next to it, what the target's own counters
 say of each cell: llama_decode calls per generated token (the schedule a
 mode made) and milliseconds per call (how fast the machine ran them). On
-this 2-core VM the second moves by 30% between cells of the same batches
-(8 sessions, 7.3-7.4 sequences per call: 36-48 ms a call), which is what
-the ratios' spread is made of.
+a small shared VM the second moves a lot between cells of the same
+batches, which is what the ratios' spread is made of (docs/perf/README.md).
 """
 from __future__ import annotations
 
@@ -201,7 +200,7 @@ def mode_order(modes: tuple[str, ...], rep: int) -> tuple[str, ...]:
 def paired_ratios(mode_tok_s: list[float], base_tok_s: list[float]) -> list[float]:
     """Each repetition's ratio of a mode to target-only at the same load.
     The two cells of a repetition run back to back, so what drifts over a
-    run (here whole cells vary by 15%: the VM, the machine's other work)
+    run (whole cells drift with the VM and the machine's other work)
     cancels in the ratio, where medians taken apart keep it."""
     return [m / b for m, b in zip(mode_tok_s, base_tok_s) if b > 0]
 

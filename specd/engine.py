@@ -106,8 +106,7 @@ class WorkerEngine:
         self.checkpoints: dict[int, _Checkpoint] = {}
         self._handles = itertools.count(1)
         self.stats = EngineStats()
-        # called with (tokens, seconds, sequences) after every llama_decode
-        # (tokens, seconds, sequences, threads) of every llama_decode
+        # called with (tokens, seconds, sequences, threads) after every llama_decode
         self.on_decode: Callable[[int, float, int, int], None] | None = None
         # per sequence: (tokens, seconds) of the last llama_decode it took part in
         self.round_cost: dict[int, tuple[int, float]] = {}

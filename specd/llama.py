@@ -198,14 +198,13 @@ class LlamaModel:
         # In increasing seq_id order: with a KV stream per sequence, llama.cpp
         # puts into one ubatch only sequences whose ids follow each other in
         # the batch (split_equal), so arrival order would cost one model pass
-        # per out-of-order sequence (8 single tokens: 92 ms instead of 48 here).
+        # per out-of-order sequence (docs/batching.md).
         order = sorted(range(len(parts)), key=lambda i: parts[i][0])
         fill = [] if self.kv_unified else gap_fill([p[0] for p in parts], [len(p[2]) for p in parts],
                                                    lambda s: self.seq_pos_max(s) < 0, self.n_batch)
         # Ids in between that hold nothing decode as many throwaway tokens,
         # without logits, and are emptied again right after: one pass instead
-        # of one per run of consecutive ids (the target's trace at 8 sessions:
-        # 7 single tokens with a free id among them 43 ms, 8 in a row 28 ms).
+        # of one per run of consecutive ids.
         # Streams are apart: no other sequence sees them.
         throwaway = (0, [parts[0][2][0]] * len(parts[0][2]), 0) if fill else None  # pos, tokens, n_logits
         rows = sorted([(parts[i][0], i) for i in order] + [(s, -1) for s in fill])

@@ -103,13 +103,12 @@ class ModelEngine(WorkerEngine):
         its fastest run of all, while the worker's retry time lasts; if it
         still fails, it is repaired (lowered until it passes) and said so.
 
-        The two shapes differ: with the last token's logits only the Q4_1
-        draft takes 14.1 ms for 2 tokens where a drafting round of 2 sessions
-        (2 logits) takes 19.8 (4: 26.2 vs 31.6 ms; an output row costs it
-        2.5-5 ms). Priced with the first, drafting under load looked cheaper
-        than it is; with the second, a catch-up on a 32-token prompt would
-        be priced with 31 rows of logits it does not compute. The F32
-        target's rows cost little (8 tokens: 46.8 vs 49.1 ms)."""
+        The two shapes differ: a small quantised draft pays a clear price
+        for each row of logits (docs/adaptive.md). Priced with the last
+        token's logits only, drafting under load would look cheaper than it
+        is; with a row per token, a catch-up on a 32-token prompt would be
+        priced with 31 rows of logits it does not compute. An F32 target's
+        rows cost little."""
         limit = min(max_tokens, self.model.n_batch, self.n_ctx_seq)
         sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
         best = dict.fromkeys(sizes, float("inf"))

@@ -104,7 +104,7 @@ class EngineRunner:
     """Runs engine calls one at a time.
 
     Small rounds run inline on the event loop when one sequence is active: a
-    thread handoff costs more than they do (about 0.5 ms a round trip here).
+    thread handoff costs more than they do.
     Rounds that decode many tokens (prefill), or while several sequences are
     active, run on a dedicated thread so the loop keeps reading what arrives
     (it joins the next round) and answering health checks; a lock keeps the
