@@ -217,9 +217,11 @@ def test_clients_that_go_away_free_their_sequences(api):
         # (PROMPTS[0] and [2] end near 30) would free a sequence for the fifth
         streams = [h.stream("POST", url, json={**long, "prompt": PROMPTS[i]}) for i in (3, 6, 7, 8)]
         responses = [s.__enter__() for s in streams]  # the 4 sequences are busy now
-        for r in responses:
+        # keep every line iterator alive: one dropped is closed, and with it
+        # its connection, which cancels that stream and frees its sequence
+        readers = [r.iter_lines() for r in responses]
+        for r, lines in zip(responses, readers):
             assert r.status_code == 200
-            lines = r.iter_lines()
             assert next(lines).startswith("data: ")
         # a fifth waits for a sequence; its client gives up after 0.5 s
         with pytest.raises(httpx.ReadTimeout):
