@@ -183,7 +183,14 @@ class Cluster:
                 self.procs[name] = Proc(name, [*self._worker_args("target", s.target_threads, name), "--model", s.target_model,
                                          "--threads-batch", str(s.target_threads_batch)],
                                         self.workdir)
-            target_addr = ",".join(f"{s.host}:{self.procs[n].wait_port(deadline)}" for n in names)
+            target_addrs = [f"{s.host}:{self.procs[n].wait_port(deadline)}" for n in names]
+            if len(target_addrs) > 1 and not s.start_together:
+                # the router serves once one target answers; the others, still
+                # loading, would be attached by a watcher seconds later: a
+                # cluster counted on to start whole waits for them all
+                for addr in target_addrs:
+                    wait_serving(addr, deadline, list(self.procs.values()))
+            target_addr = ",".join(target_addrs)
             self.http_port = (s.http_port or free_port(s.host)) if s.http else 0
             args = ["router", "--host", s.host, "--port", str(s.router_port), "--target", target_addr,
                     "--http-port", str(self.http_port),
