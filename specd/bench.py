@@ -215,13 +215,25 @@ def fresh_start_summary(drafted_tokens: list[int]) -> dict:
 
 
 # ------------------------------------------------------------------ main
+SWEEP_LENGTHS = "1,2,4,8"
+
+
+def draft_length(args) -> int:
+    """The draft length of the modes that run one (load, protocols,
+    temperatures, llama-server): the first of --draft-lengths if given,
+    else what `specd router` uses by default."""
+    from router.engine import RouterSettings
+
+    return int(args.draft_lengths.split(",")[0]) if args.draft_lengths else RouterSettings.n_max
+
+
 def bench(args) -> dict:
     from specd.launcher import ClusterSpec
 
     target_model = resolve_target(args.target)
     prompts = load_prompts(args.workload, args.prompts)
     drafts = split_drafts(args.drafts)
-    lengths = [int(x) for x in args.draft_lengths.split(",")]
+    lengths = [int(x) for x in (args.draft_lengths or SWEEP_LENGTHS).split(",")]
     cells: dict[tuple, Cell] = {}
     total = args.repeats * (1 + len(drafts) * len(lengths) * (2 if args.in_process else 1))
     bar = tqdm(total=total, desc="specd bench", unit="run")
@@ -348,7 +360,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark target-only, in-process and distributed speculative decoding")
     p.add_argument("--target", default="smollm2", help="smollm2 | gemma3 | NAME:FTYPE (e.g. gemma3:F32, derived) | PATH")
     p.add_argument("--drafts", default="q4_1,q2_k", help="comma list: q4_1, q2_k, q8_0, ngram:SPEC or a path")
-    p.add_argument("--draft-lengths", default="1,2,4,8")
+    p.add_argument("--draft-lengths", default="",
+                   help="comma list; default 1,2,4,8 for the draft sweep, the router's n_max for the other modes")
     p.add_argument("--workload", default="prompts", help="bench/NAME.jsonl or a path")
     p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
     p.add_argument("--max-tokens", type=int, default=128)

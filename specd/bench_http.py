@@ -88,13 +88,13 @@ def run_cell(cluster, protocol: str, prompts: list[str], concurrency: int, max_t
 
 
 def bench_protocols(args) -> dict:
-    from specd.bench import load_prompts, resolve_draft, resolve_target, split_drafts
+    from specd.bench import draft_length, load_prompts, resolve_draft, resolve_target, split_drafts
     from specd.bench_load import mode_order
     from specd.launcher import Cluster, ClusterSpec
 
     protocols = args.protocols  # checked by the flag's type: two or more of PROTOCOLS
     levels = [int(x) for x in (args.concurrency or "1,8").split(",")]
-    n_draft = int(args.draft_lengths.split(",")[0]) if args.draft_lengths else 4
+    n_draft = draft_length(args)
     draft_model, ngram = resolve_draft(split_drafts(args.drafts)[0])
     base_prompts = load_prompts(args.workload, args.prompts)
     spec = ClusterSpec(target_model=resolve_target(args.target), draft_model=draft_model, ngram=ngram,

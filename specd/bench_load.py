@@ -95,13 +95,13 @@ def target_counters(ports: list[int], host: str = "127.0.0.1") -> dict[str, floa
 
 
 def bench_load(args) -> dict:
-    from specd.bench import clusters, fresh_start_summary, load_prompts, resolve_draft, resolve_target, split_drafts
+    from specd.bench import clusters, draft_length, fresh_start_summary, load_prompts, resolve_draft, resolve_target, split_drafts
     from specd.launcher import ClusterSpec
 
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = tuple(getattr(args, "modes", MODES))
     draft = split_drafts(args.drafts)[0]
-    n_draft = int(args.draft_lengths.split(",")[0]) if args.draft_lengths else 4
+    n_draft = draft_length(args)
     target_model = resolve_target(args.target)
     draft_model, ngram = resolve_draft(draft)
     base_prompts = load_prompts(args.workload, 0)

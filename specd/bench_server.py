@@ -179,13 +179,13 @@ class Setup:
 
 
 def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
-    from specd.bench import resolve_draft, resolve_target, split_drafts
+    from specd.bench import draft_length, resolve_draft, resolve_target, split_drafts
     from specd.launcher import Cluster, ClusterSpec, default_threads
 
     binary = find_llama_server(args.llama_server)
     target = resolve_target(args.target)
     draft, _ = resolve_draft(next((d for d in split_drafts(args.drafts) if not d.startswith("ngram:")), "q4_1"))
-    n_draft = int(args.draft_lengths.split(",")[0]) if args.draft_lengths else 4
+    n_draft = draft_length(args)
     n_seq, cores = max(levels), os.cpu_count() or 2
     t_threads, t_batch, d_threads = default_threads()
     setup = Setup()

@@ -13,7 +13,7 @@ import platform
 import statistics
 import time
 
-from specd.bench import Cell, Run, load_prompts, resolve_draft, resolve_target, split_drafts, tok_s
+from specd.bench import Cell, Run, draft_length, load_prompts, resolve_draft, resolve_target, split_drafts, tok_s
 
 ACCEPTANCES = ("exact", "rejection")
 
@@ -54,7 +54,7 @@ def bench_temperatures(args) -> dict:
 
     target_model = resolve_target(args.target)
     prompts = load_prompts(args.workload, args.prompts)
-    n = int(args.draft_lengths.split(",")[0])
+    n = draft_length(args)
     rows = []
     for draft in split_drafts(args.drafts):
         draft_model, ngram = resolve_draft(draft)
