@@ -458,7 +458,9 @@ def main(args) -> int:
 
         result = bench_server.bench_vs_server(args)
         _report(out, "bench-llama-server", result, bench_server.markdown(result))
-        return 1 if result["greedy_output_mismatches"] else 0
+        # across engines a near-tie may break either way; within specd it is for the lossless tests to judge
+        return 1 if any(m["kind"] == "same engine" and m["contender"].startswith("specd")
+                        for m in result["greedy_output_mismatches"]) else 0
     if args.concurrency:
         from specd import bench_load
 

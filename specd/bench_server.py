@@ -246,19 +246,14 @@ def bench_vs_server(args) -> dict:
                 n_req = max(args.requests_per_session * c, args.min_requests)
                 prompts = [ids[i % len(ids)] for i in range(n_req)]
                 k = (rep + levels.index(c)) % len(names)
-                ref = None
+                outputs = {}
                 for x in setup.contenders[k:] + setup.contenders[:k]:
                     cell = run_cell(x, prompts, c, args.max_tokens)
                     cells.setdefault((c, x.name), []).append(cell)
+                    outputs[x.name] = cell["tokens"]
                     bar.update(1)
                     bar.set_postfix_str(f"C={c} {x.name}: {cell['tok_s']:.1f} tok/s")
-                    ref = ref or (x.name, cell["tokens"])
-                    if cell["tokens"] != ref[1]:
-                        request, position = first_difference(ref[1], cell["tokens"])
-                        mismatches.append({"repetition": rep, "sessions": c, "contender": x.name, "against": ref[0],
-                                           "request": request, "position": position,
-                                           "expected": ref[1][request][position:position + 4],
-                                           "got": cell["tokens"][request][position:position + 4]})
+                mismatches += [{"repetition": rep, "sessions": c, **d} for d in compare_outputs(outputs)]
         bar.close()
     finally:
         setup.close()
@@ -273,6 +268,36 @@ def bench_vs_server(args) -> dict:
         "greedy_output_mismatches": mismatches,
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+SPECD_PLAIN = "specd-no-spec"
+
+
+def compare_outputs(outputs: dict[str, list[list[int]]]) -> list[dict]:
+    """Greedy differences in one cell. Each speculative contender is compared
+    with its own engine without speculation ("same engine": what lossless
+    promises), and specd's plain path with llama-server's ("across engines":
+    two builds of llama.cpp whose float sums may break a near-tie the other
+    way); without a plain specd contender (--ngram runs) specd's runs are
+    compared across engines. Each difference names its request and first
+    differing token."""
+    pairs = [(SPECD_PLAIN, BASELINE, "across engines")]
+    for name in outputs:
+        if name in (BASELINE, SPECD_PLAIN):
+            continue
+        if name.startswith("llama-server"):
+            pairs.append((name, BASELINE, "same engine"))
+        else:  # without a plain specd contender (--ngram runs), against llama-server
+            pairs.append((name, *((SPECD_PLAIN, "same engine") if SPECD_PLAIN in outputs else (BASELINE, "across engines"))))
+    found = []
+    for name, ref, kind in pairs:
+        if name not in outputs or ref not in outputs or outputs[name] == outputs[ref]:
+            continue
+        request, position = first_difference(outputs[ref], outputs[name])
+        found.append({"kind": kind, "contender": name, "against": ref, "request": request, "position": position,
+                      "expected": outputs[ref][request][position:position + 4],
+                      "got": outputs[name][request][position:position + 4]})
+    return found
 
 
 def rows(cells: dict[tuple[int, str], list[dict]], levels: list[int], names: list[str]) -> list[dict]:
@@ -300,9 +325,11 @@ def markdown(result: dict) -> str:
               f"request, {s['requests_per_session']} requests a session (at least {s['min_requests']} a cell), greedy, "
               f"prompt caches off, {s['repeats']} repetitions, contenders in rotated order. llama-server: "
               f"`-t N -tb N -np {max(s['concurrency'])} -c {max(s['concurrency'])}×{s['n_ctx']}` (N = all cores); "
-              f"specd as `specd up` starts it. Greedy output differences: {len(result['greedy_output_mismatches'])}."]
+              f"specd as `specd up` starts it. Greedy output differences: {len(result['greedy_output_mismatches'])} "
+              "(same engine: a speculative contender against its own engine without speculation; across engines: "
+              "specd's plain path against llama-server)."]
     for m in result["greedy_output_mismatches"]:
-        lines.append(f"- repetition {m['repetition']}, {m['sessions']} sessions: {m['contender']} differs from "
+        lines.append(f"- {m['kind']}, repetition {m['repetition']}, {m['sessions']} sessions: {m['contender']} differs from "
                      f"{m['against']} at request {m['request']}, token {m['position']} "
                      f"(expected {m['expected']}, got {m['got']})")
     return "\n".join(lines) + "\n"

@@ -191,3 +191,19 @@ def test_bench_fresh_starts_flag_makes_a_cluster_per_repetition_and_counts_the_s
     assert summary == {"starts": 3, "drafted": 2, "share": 2 / 3, "drafted_tokens": [120, 0, 57]}
     assert fresh_start_lines({"adaptive": summary}) == [
         "Fresh starts (adaptive): adaptive speculation drafted in 2 of 3 (tokens drafted per start: 120, 0, 57)."]
+
+
+def test_llama_server_comparison_tells_lossless_differences_from_engine_ones():
+    """Speculative contenders are checked against their own engine without
+    speculation; specd's plain path against llama-server is reported apart."""
+    from specd.bench_server import compare_outputs
+
+    a, b = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
+    out = compare_outputs({"llama-server": a, "llama-server-draft": b, "specd": a, "specd-no-spec": a})
+    assert out == [{"kind": "same engine", "contender": "llama-server-draft", "against": "llama-server",
+                    "request": 1, "position": 1, "expected": [5, 6], "got": [9, 6]}]
+    out = compare_outputs({"llama-server": a, "specd": b, "specd-no-spec": b})
+    assert [(d["kind"], d["contender"], d["against"]) for d in out] == [("across engines", "specd-no-spec", "llama-server")]
+    out = compare_outputs({"llama-server": a, "llama-server ngram-mod:n-max=8": a, "specd ngram-mod:n-max=8": b})
+    assert [(d["kind"], d["contender"], d["against"]) for d in out] == [
+        ("across engines", "specd ngram-mod:n-max=8", "llama-server")]  # --ngram runs have no plain specd contender
