@@ -343,6 +343,10 @@ class Router:
             self.controller.target_shared = CostCurve(info.decode_costs_shared)
         else:
             check_same_model(self.target_info, info, "target")
+        if t.instance and info.instance_id != t.instance:
+            # said whichever way the loss was found: a refused call, a broken channel or the watcher
+            log.warning("%s restarted (instance %s, was %s): its sequences and prompt cache are gone",
+                        t.name, info.instance_id, t.instance)
         t.client.expect_instance(info.instance_id)
         t.epoch += 1  # before the clear: sessions from before it must replay
         await _done(t.client.clear(-1))  # start from empty sequences whatever came before
@@ -419,6 +423,9 @@ class Router:
     async def _attach_draft(self) -> None:
         info = await self.draft.model_info()
         check_vocab(self.target_info, info)
+        if self.draft_info is not None and info.instance_id != self.draft_info.instance_id:
+            log.warning("draft worker restarted (instance %s, was %s): sessions start it over from position 0",
+                        info.instance_id, self.draft_info.instance_id)
         self.draft.expect_instance(info.instance_id)
         # before the clear: a session that sees the new epoch sends its next
         # operation after the clear on the same ordered stream
