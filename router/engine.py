@@ -75,10 +75,17 @@ class GenParams:
 
     @property
     def draft_sampling(self) -> Sampling | None:
-        """The sampling a draft proposes with: the request's when sampled
-        drafts are accepted by speculative sampling, else None (argmax drafts)."""
-        exact = (self.acceptance or DEFAULT_ACCEPTANCE) == EXACT
-        return None if self.sampling.greedy or exact else self.sampling
+        """The sampling a draft proposes with: the request's when sampled (the
+        draft samples with the target's noise, so with either acceptance its
+        token is the target's own sample as often as the two agree), else
+        None (argmax drafts)."""
+        return None if self.sampling.greedy else self.sampling
+
+    @property
+    def rejection(self) -> bool:
+        """Whether sampled drafts are accepted by speculative sampling (the
+        target gets their distributions) rather than by exact match."""
+        return not self.sampling.greedy and (self.acceptance or DEFAULT_ACCEPTANCE) != EXACT
 
 
 @dataclass
@@ -760,7 +767,7 @@ class Router:
             # without a distribution for every draft (n-gram, exact acceptance), exact match
             ver = await _done(s.target.verify(seq, n - 1, [ctx[-1]] + drafts, p.sampling, s.res.n_generated,
                                               not ckpt, draft_busy=draft_busy,
-                                              draft_q=q if len(q) == len(drafts) else ()))
+                                              draft_q=q if p.rejection and len(q) == len(drafts) else ()))
         except BaseException:
             if cont is not None:  # its result no longer matters; the failover trims the draft
                 cont.add_done_callback(_consume)

@@ -1,20 +1,28 @@
 """Sampling and draft acceptance on numpy logits. Pure functions, no llama.cpp.
 
-Randomness is counter-based: the i-th generated token of a request uses
-`uniform(seed, i)`. Target-only decoding samples token i with that number;
-speculative verification samples each position with the number of the token
-it would become, and accepts a draft only when it equals the sampled token
-(llama.cpp's common_sampler_sample_and_accept_n). Every output token is thus
-drawn from the target's distribution with the same number it would get
-without speculation: the output distribution is the target's, and a fixed
-seed gives the same text with or without a draft ("exact" acceptance).
+Randomness is counter-based: the i-th generated token of a request is
+sampled with the request's noise for index i (`race_noise`), an exponential
+number per token id: the token is the one that wins the race of noise over
+probability (the Gumbel-max trick). Target-only decoding samples token i
+that way; speculative verification samples each position with the noise of
+the token it would become, and accepts a draft only when it equals the
+sampled token (llama.cpp's common_sampler_sample_and_accept_n). Every output
+token is thus what it would be without speculation: the output distribution
+is the target's, and a fixed seed gives the same text with or without a
+draft ("exact" acceptance).
 
-"rejection" acceptance (speculative sampling) lets a sampled draft through
-far more often: the draft samples its own filtered distribution q with a
-stream of its own (`draft_token`) and sends q along; the target accepts with
-probability min(1, p/q) and resamples from the residual (`accept_rejection`).
-The output distribution is still exactly the target's, but a seed's text
-then depends on the draft.
+The draft samples its own distribution q with the same noise. Two
+distributions sampled with shared race noise agree at least
+(1 - TV) / (1 + TV) of the time (TV their total variation distance), so a
+draft close to the target proposes the target's own sample almost as often
+as greedy decoding would, whatever the temperature, and the draft's guess of
+the token after its drafts (overlap) holds as often.
+
+"rejection" acceptance (speculative sampling) accepts a draft x ~ q with
+probability min(1, p/q) and resamples a rejection from the residual
+(`accept_rejection`), with streams of their own: the output distribution is
+still exactly the target's (acceptance 1 - TV), but a seed's text then
+depends on the draft.
 """
 from __future__ import annotations
 
@@ -87,6 +95,12 @@ class TokenDist:
         j = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
         return np.where(self.ids[j] == ids, self.probs[j], 0.0)
 
+    def race(self, seed: int, index: int) -> int:
+        """The token sampled with the request's noise for token `index`:
+        argmin of noise / probability, which is distributed as `probs`."""
+        with np.errstate(divide="ignore"):
+            return int(self.ids[np.argmin(race_noise(seed, index, self.ids) / self.probs)])
+
     def pick(self, u: float) -> int:
         """The token at u of the cumulative distribution (ids ascending)."""
         cdf = np.cumsum(self.probs, dtype=np.float64)
@@ -145,11 +159,31 @@ def _filter_row(x: np.ndarray, mx: float, s: Sampling) -> TokenDist:
     return TokenDist(ids.astype(np.int64, copy=False), w / np.float32(w.sum(dtype=np.float64)))
 
 
-def sample(logits: np.ndarray, s: Sampling, u: float) -> int:
-    """One token from `logits` (1-D) with the uniform number u."""
+def sample(logits: np.ndarray, s: Sampling, index: int) -> int:
+    """Token `index` of a request from `logits` (1-D), with its noise."""
     if s.greedy:
         return int(np.argmax(logits))
-    return filtered(np.asarray(logits)[None], s)[0].pick(u)
+    return filtered(np.asarray(logits)[None], s)[0].race(s.seed, index)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def race_noise(seed: int, index: int, ids: np.ndarray) -> np.ndarray:
+    """Exponential(1) numbers for token `index` of the seed's request, one per
+    token id in `ids`, each a function of (seed, index, id) alone: the target
+    and the draft draw the same number for the same token whatever their
+    candidate sets (splitmix64 of a per-index key and the id)."""
+    digest = hashlib.blake2b(RACE_STREAM + struct.pack("<QQ", seed & _U64, index & _U64), digest_size=8).digest()
+    key = np.uint64(int.from_bytes(digest, "little"))
+    x = np.asarray(ids).astype(np.uint64) * _GOLDEN + key
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    x ^= x >> np.uint64(31)
+    u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))  # in (0, 1)
+    return -np.log(u)
 
 
 def accept(logits: np.ndarray, drafts, s: Sampling, sample_index: int, draft_q=()) -> list[int]:
@@ -174,11 +208,11 @@ def accept(logits: np.ndarray, drafts, s: Sampling, sample_index: int, draft_q=(
 
 
 def accept_exact(p: list[TokenDist], drafts, s: Sampling, sample_index: int) -> list[int]:
-    """Sample each position from the target's p with its token index's number
+    """Sample each position from the target's p with its token index's noise
     and keep a draft only when it equals that sample."""
     out = []
     for i, dist in enumerate(p):
-        out.append(dist.pick(uniform(s.seed, sample_index + i)))
+        out.append(dist.race(s.seed, sample_index + i))
         if i == len(drafts) or out[-1] != drafts[i]:
             break
     return out
@@ -189,8 +223,11 @@ def accept_rejection(p: list[TokenDist], drafts, q: list[TokenDist], s: Sampling
     d_i ~ q_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
     rejection draw from normalise(max(0, p_i - q_i)) instead; after k
     acceptances draw the bonus token from p_k. Each output token then
-    follows p. The accept test has its own stream; the draw uses the token
-    index's number of the request's stream, as target-only sampling does."""
+    follows p. The accept test and the residual draw have streams of their
+    own, independent of the noise the drafts were sampled with; the bonus
+    token uses the token index's noise, as target-only sampling does (so a
+    draft's guess of it, made with the same noise, holds as often as p and
+    q agree)."""
     accept_seed = stream_seed(s.seed, ACCEPT_STREAM)
     out = []
     for i, x in enumerate(drafts):
@@ -198,9 +235,9 @@ def accept_rejection(p: list[TokenDist], drafts, q: list[TokenDist], s: Sampling
         if uniform(accept_seed, sample_index + i) * qx < px:
             out.append(int(x))
             continue
-        out.append(residual(p[i], q[i]).pick(uniform(s.seed, sample_index + i)))
+        out.append(residual(p[i], q[i]).pick(uniform(stream_seed(s.seed, RESIDUAL_STREAM), sample_index + i)))
         return out
-    out.append(p[len(drafts)].pick(uniform(s.seed, sample_index + len(drafts))))
+    out.append(p[len(drafts)].race(s.seed, sample_index + len(drafts)))
     return out
 
 
@@ -214,9 +251,10 @@ def residual(p: TokenDist, q: TokenDist) -> TokenDist:
 
 
 # Streams derived from a request's seed, independent of it and of each other:
-# the target's accept tests, and the draft's own samples.
+# the sampling noise, the target's accept tests and its residual draws.
+RACE_STREAM = b"race"
 ACCEPT_STREAM = b"accept"
-DRAFT_STREAM = b"draft"
+RESIDUAL_STREAM = b"residual"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -246,12 +284,13 @@ class DraftToken:
 def draft_token(logits: np.ndarray, s: Sampling | None, index: int) -> DraftToken:
     """The draft's token at the request's token `index`: its most likely token
     without sampling (or greedy), else a sample from its own filtered
-    distribution (capped at Q_MAX_SUPPORT) with the draft stream's number."""
+    distribution (capped at Q_MAX_SUPPORT) with the noise the target samples
+    that index with (`race_noise`)."""
     if s is None or s.greedy:
         tok, p = top_probability(logits)
         return DraftToken(tok, p)
     q = draft_distribution(logits, s)
-    return DraftToken(q.pick(uniform(stream_seed(s.seed, DRAFT_STREAM), index)), float(q.probs.max()), q)
+    return DraftToken(q.race(s.seed, index), float(q.probs.max()), q)
 
 
 def draft_distribution(logits: np.ndarray, s: Sampling) -> TokenDist:
