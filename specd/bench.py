@@ -22,7 +22,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from tqdm import tqdm
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
@@ -70,6 +69,15 @@ class Cell:
             / max(sum(r.steps_seconds for r in self.runs), 1e-9),
             "overhead_ms_per_step_median": 1000 * statistics.median(per_step_overhead) if per_step_overhead else None,
         }
+
+
+def progress(**kw):
+    """A tqdm progress bar; tqdm comes with the bench extra."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise SystemExit("specd bench needs the bench extra: pip install 'specd[bench]'") from None
+    return tqdm(**kw)
 
 
 def load_prompts(name: str, limit: int) -> list[str]:
@@ -236,7 +244,7 @@ def bench(args) -> dict:
     lengths = [int(x) for x in (args.draft_lengths or SWEEP_LENGTHS).split(",")]
     cells: dict[tuple, Cell] = {}
     total = args.repeats * (1 + len(drafts) * len(lengths) * (2 if args.in_process else 1))
-    bar = tqdm(total=total, desc="specd bench", unit="run")
+    bar = progress(total=total, desc="specd bench", unit="run")
     mismatches = []
     baseline_tokens: list[list[int]] = []
     starts: dict[str, list[int]] = {}  # per draft, per fresh start: tokens its distributed (adaptive) cells drafted

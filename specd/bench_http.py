@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tqdm import tqdm
 
 PROTOCOLS = ("grpc", "http")
 
@@ -88,7 +87,7 @@ def run_cell(cluster, protocol: str, prompts: list[str], concurrency: int, max_t
 
 
 def bench_protocols(args) -> dict:
-    from specd.bench import draft_length, load_prompts, resolve_draft, resolve_target, split_drafts
+    from specd.bench import draft_length, load_prompts, progress, resolve_draft, resolve_target, split_drafts
     from specd.bench_load import mode_order
     from specd.launcher import Cluster, ClusterSpec
 
@@ -103,7 +102,7 @@ def bench_protocols(args) -> dict:
                        router_args=["--no-prompt-cache"])
     cells: dict[tuple[int, str], list[dict]] = {}
     mismatches = []
-    bar = tqdm(total=len(levels) * len(protocols) * args.repeats, desc="specd bench (protocols)", unit="cell")
+    bar = progress(total=len(levels) * len(protocols) * args.repeats, desc="specd bench (protocols)", unit="cell")
     with Cluster(spec) as cluster:
         run_cell(cluster, "http", base_prompts[:1], 1, 4, n_draft)  # warm both workers' buffers first
         for rep in range(args.repeats):

@@ -39,7 +39,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from tqdm import tqdm
 
 MODES = ("target-only", "fixed", "adaptive")  # the default
 NULL_MODE = "target-only-again"
@@ -95,7 +94,7 @@ def target_counters(ports: list[int], host: str = "127.0.0.1") -> dict[str, floa
 
 
 def bench_load(args) -> dict:
-    from specd.bench import clusters, draft_length, fresh_start_summary, load_prompts, resolve_draft, resolve_target, split_drafts
+    from specd.bench import clusters, draft_length, fresh_start_summary, load_prompts, progress, resolve_draft, resolve_target, split_drafts
     from specd.launcher import ClusterSpec
 
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -113,7 +112,7 @@ def bench_load(args) -> dict:
     mismatches = []
     fresh = getattr(args, "fresh_starts", False)
     starts: list[int] = []  # per fresh start: tokens its adaptive cells drafted
-    bar = tqdm(total=len(levels) * len(modes) * args.repeats, desc="specd bench (load)", unit="cell")
+    bar = progress(total=len(levels) * len(modes) * args.repeats, desc="specd bench (load)", unit="cell")
     for rep, cluster in clusters(spec, args.repeats, fresh):
         targets = [port for name, port in cluster.metrics_ports.items() if name.startswith("target")]
         starts.append(0)

@@ -179,7 +179,7 @@ class Setup:
 
 
 def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
-    from specd.bench import draft_length, resolve_draft, resolve_target, split_drafts
+    from specd.bench import draft_length, progress, resolve_draft, resolve_target, split_drafts
     from specd.launcher import Cluster, ClusterSpec, default_threads
 
     binary = find_llama_server(args.llama_server)
@@ -225,7 +225,6 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
 def bench_vs_server(args) -> dict:
     import tempfile
 
-    from tqdm import tqdm
 
     from specd.bench import load_prompts
     from specd.client import RouterClient
@@ -240,7 +239,7 @@ def bench_vs_server(args) -> dict:
         names = [x.name for x in setup.contenders]
         cells: dict[tuple[int, str], list[dict]] = {}
         mismatches = []
-        bar = tqdm(total=args.repeats * len(levels) * len(names), desc="specd bench (vs llama-server)", unit="cell")
+        bar = progress(total=args.repeats * len(levels) * len(names), desc="specd bench (vs llama-server)", unit="cell")
         for rep in range(args.repeats):
             for c in levels:
                 n_req = max(args.requests_per_session * c, args.min_requests)

@@ -179,8 +179,10 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-threads-batch", type=int, default=0,
                    help="target threads for multi-token batches (default: all cores, or --target-threads if given)")
     p.add_argument("--draft-threads", type=int, default=0, help="default: 1")
-    p.add_argument("--n-ctx", type=int, default=2048)
-    p.add_argument("--n-seq", type=int, default=4)
+    p.add_argument("--n-ctx", type=C.at_least(C.MIN_N_CTX), default=2048,
+                   help="context of ONE sequence, in positions (llama.cpp's -c is the total over its slots: each "
+                        "worker allocates --n-ctx × --n-seq)")
+    p.add_argument("--n-seq", type=C.at_least(1), default=4, help="sequences (concurrent sessions) each worker hosts")
 
 
 def _add_gen_flags(p: argparse.ArgumentParser, max_tokens: int | None, chat: bool = False) -> None:

@@ -55,13 +55,15 @@ class Completion:
         }
 
 
-def make_request(prompt: str | list[int] | list[dict], max_tokens: int | None = None, temperature: float = 0.0,
+def make_request(prompt: str | list[int] | list[dict], max_tokens: int | None = None, temperature: float | None = None,
                  seed: int | None = None, speculative: bool | None = None, n_draft: int | None = None,
                  stop: list[str] | None = None, adaptive: bool | None = None, acceptance: str | None = None,
                  **extra) -> rpb.GenerateRequest:
     """`prompt`: text, token ids, or chat messages as OpenAI's
     [{"role": ..., "content": ...}] (rendered with the target's chat template).
-    `acceptance`: "exact" or "rejection" (speculative.acceptance); None: the router's default."""
+    `acceptance`: "exact" or "rejection" (speculative.acceptance); None: the router's default.
+    `temperature`, `seed`: set on top of a `sampling=` message when given (None
+    leaves it as passed; without one, greedy)."""
     req = rpb.GenerateRequest(stop=stop or [], **extra)
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -71,7 +73,8 @@ def make_request(prompt: str | list[int] | list[dict], max_tokens: int | None = 
         req.prompt_tokens.ids.extend(prompt)
     if max_tokens is not None:
         req.max_tokens = max_tokens
-    req.sampling.temperature = temperature
+    if temperature is not None:
+        req.sampling.temperature = temperature
     if seed is not None:
         req.sampling.seed = seed
     if speculative is not None:

