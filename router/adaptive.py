@@ -181,18 +181,23 @@ class Acceptance:
     prior worth `prior_weight` observations. Evidence decays every step,
     drafting or not, so a session that stopped drafting grows uncertain again
     and `optimistic` (the rate plus a bonus that shrinks with evidence, as in
-    UCB bandits) makes it try drafting again when that could pay."""
+    UCB bandits) makes it try drafting again when that could pay. It fades
+    slower on steps without drafts (`decay_idle`): each such try with a poor
+    draft costs more than the plain steps it replaces, so tries must be
+    rare; a drafting session still follows its rate at `decay`."""
 
     prior: float = 0.8
     prior_weight: float = 2.0
     decay: float = 0.95
+    decay_idle: float = 0.99
     bonus: float = 0.5
     accepted: float = 0.0
     rejected: float = 0.0
 
-    def tick(self) -> None:
-        self.accepted *= self.decay
-        self.rejected *= self.decay
+    def tick(self, drafted: bool = True) -> None:
+        d = self.decay if drafted else self.decay_idle
+        self.accepted *= d
+        self.rejected *= d
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
         if n_drafted <= 0:
@@ -507,7 +512,7 @@ class Controller:
 
     def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
         """After every step (n_drafted 0 when it did not draft)."""
-        acc.tick()
+        acc.tick(n_drafted > 0)
         acc.observe(n_drafted, n_accepted)
         if n_drafted:
             self.overall.tick()

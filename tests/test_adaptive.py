@@ -97,9 +97,27 @@ def test_acceptance_learns_and_grows_uncertain_when_not_drafting():
         b.observe(4, 0)
     low = b.optimistic
     assert b.rate < 0.2
-    for _ in range(100):  # steps without drafts: the evidence fades, optimism returns
-        b.tick()
+    for _ in range(200):  # steps without drafts: the evidence fades, optimism returns
+        b.tick(drafted=False)
     assert b.optimistic > low + 0.3
+
+
+def test_a_poor_draft_is_retried_rarely():
+    """A session that drafts whenever its optimistic rate clears what four
+    drafts need to pay, with a draft accepted about 0.4 of the time, drafts
+    on few steps: each try costs more than the plain steps it replaces."""
+    a = Acceptance()
+    rng = __import__("random").Random(5)
+    drafted = 0
+    for _ in range(3000):
+        if a.optimistic >= 0.82:
+            n = next((i for i in range(4) if rng.random() > 0.4), 4)
+            a.tick(True)
+            a.observe(4, n)
+            drafted += 1
+        else:
+            a.tick(False)
+    assert 0 < drafted < 0.06 * 3000, drafted  # never locked out, rarely paying for it
 
 
 def test_controller_prior_follows_other_sessions():

@@ -10,7 +10,7 @@ import sys
 import tomllib
 
 from specd.client import make_request
-from specd.v1 import router_pb2 as rpb
+from specd.v1 import worker_pb2 as wpb
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_n_ctx_is_per_sequence_and_refuses_typos():
 
 
 def test_a_sampling_message_keeps_its_temperature():
-    s = rpb.Sampling(temperature=0.8, top_k=40, seed=7)
+    s = wpb.SamplingParams(temperature=0.8, top_k=40, seed=7)
     req = make_request("hi", sampling=s)
     assert req.sampling.temperature == s.temperature and req.sampling.top_k == 40 and req.sampling.seed == 7
     assert make_request("hi", sampling=s, temperature=0.2, seed=9).sampling.seed == 9
