@@ -400,6 +400,10 @@ def add_parser(sub) -> None:
                         "builds): llama-server with and without the draft, specd and specd without speculation, "
                         "at --concurrency (default 1,2,4,8,16); --drafts' first model is the draft, "
                         "--draft-lengths' first value its length")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --llama-server: sample at this temperature, with llama-server's default filters "
+                        "(top-k 40, top-p 0.95, min-p 0.05) and a seed per prompt on both (0: greedy, outputs "
+                        "compared)")
     p.add_argument("--ngram", action="append", default=[], metavar="SPEC",
                    help="with --llama-server: compare specd's n-gram drafter SPEC (one type, e.g. "
                         "mod:n-match=4:n-min=0:n-max=16) with llama-server's --spec-type of the same parameters "

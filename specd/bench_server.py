@@ -28,9 +28,11 @@ import platform
 import shutil
 import statistics
 import subprocess
+import functools
 import time
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -115,9 +117,11 @@ class LlamaServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def generate(self, ids: list[int], max_tokens: int) -> Answer:
-        body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False,
+    def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0) -> Answer:
+        body = {"prompt": ids, "n_predict": max_tokens, "temperature": temperature, "cache_prompt": False,
                 "return_tokens": True, "stream": False}
+        if temperature > 0:
+            body.update(SAMPLED_FILTERS, seed=request_seed(ids))
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=1800) as r:
@@ -134,17 +138,34 @@ class LlamaServer:
         self.log.close()
 
 
+# Sampled runs (--temperature): llama-server's default filters, sent to both
+# servers so that both sample the same distributions.
+SAMPLED_FILTERS = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+def request_seed(ids: list[int]) -> int:
+    """A request's seed: its prompt's, the same in every contender and repetition."""
+    return zlib.crc32(b",".join(str(t).encode() for t in ids))
+
+
 @dataclass
 class Contender:
     name: str
     generate: Callable[[list[int], int], Answer]
 
 
-def specd_generate(address: str, **kwargs) -> Callable[[list[int], int], Answer]:
+def specd_generate(address: str, temperature: float = 0.0, **kwargs) -> Callable[[list[int], int], Answer]:
     from specd.client import RouterClient
+    from specd.v1 import worker_pb2 as wpb
 
     client = RouterClient(address, timeout=1800)
-    return lambda ids, max_tokens: Answer(client.generate(ids, max_tokens=max_tokens, **kwargs).tokens)
+
+    def generate(ids: list[int], max_tokens: int) -> Answer:
+        sampling = wpb.SamplingParams(temperature=temperature, seed=request_seed(ids),
+                                      **(SAMPLED_FILTERS if temperature > 0 else {}))
+        return Answer(client.generate(ids, max_tokens=max_tokens, sampling=sampling, **kwargs).tokens)
+
+    return generate
 
 
 def run_cell(contender: Contender, prompts: list[list[int]], sessions: int, max_tokens: int) -> dict:
@@ -193,7 +214,7 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
     def server(name: str, extra: list[str]) -> None:
         s = LlamaServer(binary, target, n_seq, args.n_ctx, cores, extra, workdir, name)
         setup.servers.append(s)
-        setup.contenders.append(Contender(name, s.generate))
+        setup.contenders.append(Contender(name, functools.partial(s.generate, temperature=args.temperature)))
 
     def cluster(ngram: str = "", router_args: list[str] = ()) -> str:
         spec = ClusterSpec(target_model=target, draft_model="" if ngram else draft, ngram=ngram,
@@ -209,13 +230,13 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
             server("llama-server-draft", ["-md", draft, "--spec-type", "draft-simple",
                                           "--spec-draft-n-max", str(n_draft)])
             address = cluster(router_args=["--n-max", str(n_draft)])
-            setup.contenders.append(Contender("specd", specd_generate(address)))
-            setup.contenders.append(Contender("specd-no-spec", specd_generate(address, speculative=False)))
+            setup.contenders.append(Contender("specd", specd_generate(address, args.temperature)))
+            setup.contenders.append(Contender("specd-no-spec", specd_generate(address, args.temperature, speculative=False)))
         for spec in args.ngram:
             extra, n_max = ngram_server_args(spec)
             server(f"llama-server {spec}", [*extra, "--spec-draft-n-max", str(n_max)])
             address = cluster(ngram=spec, router_args=["--n-max", str(n_max)])
-            setup.contenders.append(Contender(f"specd {spec}", specd_generate(address)))
+            setup.contenders.append(Contender(f"specd {spec}", specd_generate(address, args.temperature)))
     except BaseException:
         setup.close()
         raise
@@ -252,7 +273,8 @@ def bench_vs_server(args) -> dict:
                     outputs[x.name] = cell["tokens"]
                     bar.update(1)
                     bar.set_postfix_str(f"C={c} {x.name}: {cell['tok_s']:.1f} tok/s")
-                mismatches += [{"repetition": rep, "sessions": c, **d} for d in compare_outputs(outputs)]
+                if args.temperature == 0:  # sampled outputs differ by design
+                    mismatches += [{"repetition": rep, "sessions": c, **d} for d in compare_outputs(outputs)]
         bar.close()
     finally:
         setup.close()
@@ -261,7 +283,7 @@ def bench_vs_server(args) -> dict:
         "settings": {"concurrency": levels, "contenders": names, "workload": args.workload, "max_tokens": args.max_tokens,
                      "requests_per_session": args.requests_per_session, "min_requests": args.min_requests,
                      "repeats": args.repeats, "n_ctx": args.n_ctx, "target": args.target, "drafts": args.drafts,
-                     "draft_lengths": args.draft_lengths, "ngram": args.ngram,
+                     "draft_lengths": args.draft_lengths, "ngram": args.ngram, "temperature": args.temperature,
                      "greedy": True, "prompt_cache": False, "llama_server": find_llama_server(args.llama_server)},
         "rows": rows(cells, levels, names),
         "greedy_output_mismatches": mismatches,
@@ -312,6 +334,14 @@ def rows(cells: dict[tuple[int, str], list[dict]], levels: list[int], names: lis
     return out
 
 
+def sampled(temperature: float) -> str:
+    if temperature == 0:
+        return "greedy"
+    return (f"sampled at temperature {temperature:g} with top-k {SAMPLED_FILTERS['top_k']}, top-p "
+            f"{SAMPLED_FILTERS['top_p']}, min-p {SAMPLED_FILTERS['min_p']} (llama-server's defaults) and a seed per "
+            "prompt on both (outputs not compared)")
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = ["| sessions | contender | aggregate tok/s median (min–max) | × llama-server per repetition: geo-mean [90% CI] |",
@@ -321,7 +351,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['contender']} | {r['tok_s_median']:.1f} ({r['tok_s_min']:.1f}–"
                      f"{r['tok_s_max']:.1f}) | {v['geomean']:.2f} [{v['ci90'][0]:.2f}–{v['ci90'][1]:.2f}] |")
     lines += ["", f"Machine: {result['machine']['cpus']} CPUs. Workload {s['workload']}, {s['max_tokens']} tokens a "
-              f"request, {s['requests_per_session']} requests a session (at least {s['min_requests']} a cell), greedy, "
+              f"request, {s['requests_per_session']} requests a session (at least {s['min_requests']} a cell), "
+              f"{sampled(s.get('temperature', 0.0))}, "
               f"prompt caches off, {s['repeats']} repetitions, contenders in rotated order. llama-server: "
               f"`-t N -tb N -np {max(s['concurrency'])} -c {max(s['concurrency'])}×{s['n_ctx']}` (N = all cores); "
               f"specd as `specd up` starts it. Greedy output differences: {len(result['greedy_output_mismatches'])} "
