@@ -200,7 +200,7 @@ class Setup:
 
 
 def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
-    from specd.bench import draft_length, progress, resolve_draft, resolve_target, split_drafts
+    from specd.bench import draft_length, resolve_draft, resolve_target, split_drafts
     from specd.launcher import Cluster, ClusterSpec, default_threads
 
     binary = find_llama_server(args.llama_server)
@@ -247,7 +247,7 @@ def bench_vs_server(args) -> dict:
     import tempfile
 
 
-    from specd.bench import load_prompts
+    from specd.bench import load_prompts, progress
     from specd.client import RouterClient
 
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else [1, 2, 4, 8, 16]
