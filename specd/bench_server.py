@@ -355,9 +355,11 @@ def markdown(result: dict) -> str:
               f"{sampled(s.get('temperature', 0.0))}, "
               f"prompt caches off, {s['repeats']} repetitions, contenders in rotated order. llama-server: "
               f"`-t N -tb N -np {max(s['concurrency'])} -c {max(s['concurrency'])}×{s['n_ctx']}` (N = all cores); "
-              f"specd as `specd up` starts it. Greedy output differences: {len(result['greedy_output_mismatches'])} "
-              "(same engine: a speculative contender against its own engine without speculation; across engines: "
-              "specd's plain path against llama-server)."]
+              "specd as `specd up` starts it."
+              + ("" if s.get("temperature", 0.0) else
+                 f" Greedy output differences: {len(result['greedy_output_mismatches'])} (same engine: a speculative "
+                 "contender against its own engine without speculation; across engines: specd's plain path against "
+                 "llama-server).")]
     for m in result["greedy_output_mismatches"]:
         lines.append(f"- {m['kind']}, repetition {m['repetition']}, {m['sessions']} sessions: {m['contender']} differs from "
                      f"{m['against']} at request {m['request']}, token {m['position']} "
