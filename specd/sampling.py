@@ -43,6 +43,12 @@ REJECTION = "rejection"
 DEFAULT_ACCEPTANCE = REJECTION
 
 
+# Temperatures below this sample as greedy (as vLLM's _SAMPLING_EPS): the
+# logits scaled by 1/T would overflow float32 (NaN probabilities), and long
+# before that the distribution is one-hot but for exact ties.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0
@@ -53,7 +59,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self, prefix: str = "sampling") -> "Sampling":
         """Raise InvalidArgument naming the first bad field."""

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from specd.errors import InvalidArgument
+import specd.sampling as S
 from specd.sampling import Sampling, accept, probabilities, sample, top_probability, uniform
 
 
@@ -71,3 +72,15 @@ def test_top_probability():
 def test_validation_names_the_field(field, kw):
     with pytest.raises(InvalidArgument, match=f"sampling.{field}"):
         Sampling(**kw).validate()
+
+
+@pytest.mark.parametrize("t", [1.4e-45, 1e-30, 9e-6])
+def test_a_tiny_temperature_is_greedy_not_nan(t):
+    """Found by the generate fuzzer: temperature 1.4e-45 scaled the logits to
+    inf and the draft sent NaN probabilities, which the target refused."""
+    logits = np.array([[0.5, 2.0, 1.0], [3.0, 0.0, 1.0]], dtype=np.float32)
+    s = Sampling(temperature=t, seed=3)
+    assert s.greedy
+    assert sample(logits[0], s, 0) == 1
+    assert S.accept(logits, [1], s, 0) == [1, 0]
+    assert S.draft_token(logits[0], s, 0).q is None

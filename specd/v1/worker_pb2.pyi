@@ -683,7 +683,9 @@ Global___ApplyChatTemplateResponse: _TypeAlias = ApplyChatTemplateResponse  # no
 
 @_typing.final
 class SamplingParams(_message.Message):
-    """Sampling of the target. temperature == 0 is greedy (argmax)."""
+    """Sampling of the target. A temperature below 1e-5 (0 included) is greedy
+    (argmax), as in vLLM: scaling the logits by 1/T overflows before.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -693,7 +695,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """>= 0; 0 means greedy."""
+    """>= 0; below 1e-5 (0 included) means greedy."""
     top_k: _builtins.int
     """Keep the k most likely tokens; 0 disables."""
     top_p: _builtins.float
