@@ -908,11 +908,12 @@ class ProposeRequest(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams:
-        """The request's sampling. Set with temperature > 0: the draft samples each
-        proposal from its own distribution under these filters, with a random
-        stream of its own derived from the seed, and returns that distribution
-        (ProposeResponse.q) for speculative sampling. Unset or greedy: the draft
-        proposes its most likely tokens and returns no q.
+        """The request's sampling. Set, not greedy: the draft samples each proposal
+        from its own distribution under these filters, with the noise the target
+        samples that token index with (derived from the seed, the index and the
+        token id, so the two agree as often as their distributions allow), and
+        returns that distribution (ProposeResponse.q) for speculative sampling.
+        Unset or greedy: the draft proposes its most likely tokens and no q.
         """
 
     def __init__(
