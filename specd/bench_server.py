@@ -21,6 +21,7 @@ a difference is reported with its request and token.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -28,7 +29,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import functools
 import time
 import urllib.error
 import urllib.request
@@ -246,7 +246,6 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
 def bench_vs_server(args) -> dict:
     import tempfile
 
-
     from specd.bench import load_prompts, progress
     from specd.client import RouterClient
 
@@ -284,7 +283,7 @@ def bench_vs_server(args) -> dict:
                      "requests_per_session": args.requests_per_session, "min_requests": args.min_requests,
                      "repeats": args.repeats, "n_ctx": args.n_ctx, "target": args.target, "drafts": args.drafts,
                      "draft_lengths": args.draft_lengths, "ngram": args.ngram, "temperature": args.temperature,
-                     "greedy": True, "prompt_cache": False, "llama_server": find_llama_server(args.llama_server)},
+                     "greedy": args.temperature == 0, "prompt_cache": False, "llama_server": find_llama_server(args.llama_server)},
         "rows": rows(cells, levels, names),
         "greedy_output_mismatches": mismatches,
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -74,10 +74,15 @@ class Sampling:
         return self
 
 
+def _hash64(seed: int, index: int, prefix: bytes = b"") -> int:
+    """A 64-bit hash of (prefix, seed, index): the counter every random number derives from."""
+    digest = hashlib.blake2b(prefix + struct.pack("<QQ", seed & _U64, index & _U64), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def uniform(seed: int, index: int) -> float:
     """The index-th number of the seed's stream, uniform in [0, 1)."""
-    digest = hashlib.blake2b(struct.pack("<QQ", seed & _U64, index & _U64), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") >> 11) * (1.0 / (1 << 53))
+    return (_hash64(seed, index) >> 11) * (1.0 / (1 << 53))
 
 
 def probabilities(logits: np.ndarray, s: Sampling) -> tuple[np.ndarray, np.ndarray]:
@@ -182,9 +187,7 @@ def race_noise(seed: int, index: int, ids: np.ndarray) -> np.ndarray:
     token id in `ids`, each a function of (seed, index, id) alone: the target
     and the draft draw the same number for the same token whatever their
     candidate sets (splitmix64 of a per-index key and the id)."""
-    digest = hashlib.blake2b(RACE_STREAM + struct.pack("<QQ", seed & _U64, index & _U64), digest_size=8).digest()
-    key = np.uint64(int.from_bytes(digest, "little"))
-    x = np.asarray(ids).astype(np.uint64) * _GOLDEN + key
+    x = np.asarray(ids).astype(np.uint64) * _GOLDEN + np.uint64(_hash64(seed, index, RACE_STREAM))
     x = (x ^ (x >> np.uint64(30))) * _MIX1
     x = (x ^ (x >> np.uint64(27))) * _MIX2
     x ^= x >> np.uint64(31)

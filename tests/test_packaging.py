@@ -3,6 +3,7 @@ the committed stubs, configuration errors in one line naming the variable
 or flag, and the client keeping the sampling it is given (issue #23)."""
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -33,8 +34,6 @@ def test_dependency_floors_hold_what_the_stubs_need():
 
 
 def _specd(*args: str, **env: str) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run([sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=60,
                           env={**os.environ, **env})
 
