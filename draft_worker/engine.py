@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from draft_worker.verified import VerifiedPrefix
+from specd.draft_worker.verified import VerifiedPrefix
 from specd.engine import ModelInfo, SeqState, Steps, WorkerEngine
 from specd.errors import InvalidArgument, SpecdError
 from specd.model_engine import ModelEngine
@@ -110,7 +110,7 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
     def __init__(self, spec: str, n_seq: int, n_ctx_seq: int, cache_path: str | None = None, n_vocab: int = 0):
         """`n_vocab`: token ids must be below it (the target's vocabulary
         size); 0: any id llama.cpp could hold. Negative ids are always refused."""
-        from draft_worker.ngram import make_proposer
+        from specd.draft_worker.ngram import make_proposer
 
         if n_vocab < 0:
             raise ValueError(f"n_vocab must be >= 0 (0: unknown), got {n_vocab}")

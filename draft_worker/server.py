@@ -7,10 +7,10 @@ from specd.worker_service import serve_worker
 
 def make_engine(cfg: WorkerConfig):
     if cfg.ngram:
-        from draft_worker.engine import NgramEngine
+        from specd.draft_worker.engine import NgramEngine
 
         return NgramEngine(cfg.ngram, cfg.n_seq, cfg.n_ctx, cfg.ngram_cache or None, n_vocab=cfg.n_vocab)
-    from draft_worker.engine import DraftModelEngine
+    from specd.draft_worker.engine import DraftModelEngine
     from specd.llama import LlamaConfig
 
     engine = DraftModelEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)

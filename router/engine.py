@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from router.adaptive import Controller, CostCurve, RecentPeak
+from specd.router.adaptive import Controller, CostCurve, RecentPeak
 from specd.engine import ModelInfo, SeqState
 from specd.errors import (FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError,
                           Unavailable, WorkerRestarted)

@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from router.openai_api import CHAT, COMPLETION, ApiRequest, chunk_json, parse_request, response_json, usage_chunk_json
+from specd.router.openai_api import CHAT, COMPLETION, ApiRequest, chunk_json, parse_request, response_json, usage_chunk_json
 from specd.errors import Internal, SpecdError
 from specd.security import INVALID, ConfigError, authorized
 

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.chat import ChatMessage, FieldError, check_messages
+from specd.router.chat import ChatMessage, FieldError, check_messages
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import worker_pb2 as wpb
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.clients import GrpcWorker
-from router.engine import Router, RouterSettings
-from router.http import start_http
-from router.limits import Limits
-from router.service import RouterServicer
+from specd.router.clients import GrpcWorker
+from specd.router.engine import Router, RouterSettings
+from specd.router.http import start_http
+from specd.router.limits import Limits
+from specd.router.service import RouterServicer
 from specd.config import RouterConfig
 from specd.errors import FailedPrecondition, SpecdError
 from specd.metrics import RouterPrometheus

@@ -8,10 +8,10 @@ import time
 
 import grpc
 
-from router.chat import chat_prompt, messages_of_pb
-from router.engine import GenParams, Result, Router
-from router.limits import Limits
-from router.text import TextAssembler
+from specd.router.chat import chat_prompt, messages_of_pb
+from specd.router.engine import GenParams, Result, Router
+from specd.router.limits import Limits
+from specd.router.text import TextAssembler
 from specd.errors import InvalidArgument, SpecdError, Unavailable
 from specd.sampling import EXACT, REJECTION, Sampling
 from specd.v1 import router_pb2 as rpb

@@ -91,7 +91,7 @@ def load_prompts(name: str, limit: int) -> list[str]:
 def split_drafts(text: str) -> list[str]:
     """The --drafts list: comma-separated, where an n-gram chain keeps its
     commas ("q4_1,ngram:map-k,cache" -> ["q4_1", "ngram:map-k,cache"])."""
-    from draft_worker.ngram import PROPOSER_NAMES
+    from specd.draft_worker.ngram import PROPOSER_NAMES
 
     drafts: list[str] = []
     for part in (d.strip() for d in text.split(",")):
@@ -152,9 +152,9 @@ class InProcess:
     """Both engines in this process, the router's loop over LocalWorker."""
 
     def __init__(self, target_model: str, draft_model: str, ngram: str, args):
-        from draft_worker.engine import DraftModelEngine, NgramEngine
+        from specd.draft_worker.engine import DraftModelEngine, NgramEngine
         from specd.llama import LlamaConfig
-        from target_worker.engine import TargetEngine
+        from specd.target_worker.engine import TargetEngine
 
         self.target = TargetEngine(LlamaConfig(target_model, n_ctx_seq=args.n_ctx, n_seq=1, n_threads=args.target_threads,
                                                  n_threads_batch=args.target_threads_batch))
@@ -167,8 +167,8 @@ class InProcess:
         return asyncio.run(self._run(prompts, max_tokens, n_draft))
 
     async def _run(self, prompts, max_tokens, n_draft) -> list[Run]:
-        from router.clients import LocalWorker
-        from router.engine import GenParams, Result, Router, RouterSettings
+        from specd.router.clients import LocalWorker
+        from specd.router.engine import GenParams, Result, Router, RouterSettings
 
         t, d = LocalWorker(self.target, "target"), LocalWorker(self.draft, "draft")
         router = Router(t, d, RouterSettings())
@@ -230,7 +230,7 @@ def draft_length(args) -> int:
     """The draft length of the modes that run one (load, protocols,
     temperatures, llama-server): the first of --draft-lengths if given,
     else what `specd router` uses by default."""
-    from router.engine import RouterSettings
+    from specd.router.engine import RouterSettings
 
     return int(args.draft_lengths.split(",")[0]) if args.draft_lengths else RouterSettings.n_max
 

@@ -22,15 +22,15 @@ def _worker(role: str, args: argparse.Namespace) -> int:
 
         cfg.model = default_models()[role]
     if role == "target":
-        from target_worker.server import serve
+        from specd.target_worker.server import serve
     else:
-        from draft_worker.server import serve
+        from specd.draft_worker.server import serve
     asyncio.run(serve(cfg))
     return 0
 
 
 def _router(args: argparse.Namespace) -> int:
-    from router.server import serve
+    from specd.router.server import serve
     from specd.server import setup_logging
 
     setup_logging(args.log_level)

@@ -7,7 +7,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from router.adaptive import COST_CHECK
+from specd.router.adaptive import COST_CHECK
 from specd.engine import ModelInfo, Steps, WorkerEngine
 from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
 from specd.llama import DecodeError, LlamaConfig, LlamaModel

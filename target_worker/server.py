@@ -7,7 +7,7 @@ from specd.worker_service import serve_worker
 
 def make_engine(cfg: WorkerConfig):
     from specd.llama import LlamaConfig
-    from target_worker.engine import TargetEngine
+    from specd.target_worker.engine import TargetEngine
 
     engine = TargetEngine(LlamaConfig.of_worker(cfg), max_checkpoint_bytes=cfg.max_checkpoint_bytes)
     if cfg.calibrate:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from router.adaptive import (Acceptance, Controller, CostCurve, RecentPeak, Trials, choose_draft_length,
+from specd.router.adaptive import (Acceptance, Controller, CostCurve, RecentPeak, Trials, choose_draft_length,
                              expected_tokens, round_seconds)
 from specd.scheduler import op_key, take_window
 
@@ -346,7 +346,7 @@ def test_pool_hands_out_the_lowest_free_id():
     # with a KV stream per sequence, llama.cpp batches only consecutive ids in one pass
     import asyncio
 
-    from router.engine import SeqPool
+    from specd.router.engine import SeqPool
 
     async def main():
         pool = SeqPool(4, max_queue=0)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from router.adaptive import COST_CHECK, CostCurve
+from specd.router.adaptive import COST_CHECK, CostCurve
 
 # what a target logged while the draft calibrated on the same cores: 2 tokens
 # five times dearer than one (and, clamped upwards, every bigger batch too)
@@ -46,7 +46,7 @@ def test_a_disturbed_calibration_is_timed_again(models, caplog):
     """The first five 2-token decodes take 0.2 s longer (the other worker
     busy on the same cores): more than one attempt's sweeps, so only timing
     again after a pause gets the real figure."""
-    from draft_worker.engine import DraftModelEngine
+    from specd.draft_worker.engine import DraftModelEngine
     from specd.llama import LlamaConfig
 
     engine = DraftModelEngine(LlamaConfig(models["draft"], n_ctx_seq=64, n_seq=1, n_threads=1))

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from draft_worker.engine import DraftModelEngine
-from router.clients import GrpcWorker
-from router.engine import GenParams, Result, Router, RouterSettings
+from specd.draft_worker.engine import DraftModelEngine
+from specd.router.clients import GrpcWorker
+from specd.router.engine import GenParams, Result, Router, RouterSettings
 from specd.errors import ResourceExhausted
 from specd.llama import DecodeError, LlamaConfig
 from specd.v1 import worker_pb2 as pb

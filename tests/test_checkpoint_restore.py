@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from draft_worker.engine import DraftModelEngine
+from specd.draft_worker.engine import DraftModelEngine
 from specd.errors import FailedPrecondition, Internal
 from specd.llama import LlamaConfig
 from specd.tokens import history_hash
-from target_worker.engine import TargetEngine
+from specd.target_worker.engine import TargetEngine
 
 TEXT = "The history of the printing press begins in the fifteenth century"
 

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from draft_worker.ngram import PROPOSER_NAMES
+from specd.draft_worker.ngram import PROPOSER_NAMES
 from specd.client import RouterClient
 
 COPY_HEAVY = [json.loads(line)["prompt"] for line in

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from router.engine import GenParams, Router
-from router.limits import Limits
+from specd.router.engine import GenParams, Router
+from specd.router.limits import Limits
 from specd.config import PROMPT_BYTES_PER_TOKEN
 from specd.errors import InvalidArgument
 from specd.client import RouterClient, collect, make_request

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from draft_worker.ngram import (
+from specd.draft_worker.ngram import (
     PROPOSER_NAMES, CacheProposer, ChainProposer, ModProposer, NgramMapProposer, Proposer,
     SimpleProposer, make_proposer,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from draft_worker.verified import VerifiedPrefix
+from specd.draft_worker.verified import VerifiedPrefix
 
 H = list(range(100, 110))  # the prompt: id_last is its last token
 D = [1, 2, 3, 4]           # drafts of a main Propose

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import zipfile
 
 from specd.client import make_request
 from specd.v1 import worker_pb2 as wpb
@@ -61,3 +62,16 @@ def test_a_sampling_message_keeps_its_temperature():
     assert req.sampling.temperature == s.temperature and req.sampling.top_k == 40 and req.sampling.seed == 7
     assert make_request("hi", sampling=s, temperature=0.2, seed=9).sampling.seed == 9
     assert make_request("hi").sampling.temperature == 0.0  # greedy unless asked
+
+
+def test_the_wheel_installs_everything_under_specd(tmp_path):
+    """The roles keep their top-level folders in the repository but install as
+    `specd.router`, `specd.target_worker`, `specd.draft_worker` (issue #21)."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("specd-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"specd", wheel.name.split("-py")[0] + ".dist-info"}, names
+    for module in ("specd/router/engine.py", "specd/target_worker/server.py", "specd/draft_worker/ngram/simple.py",
+                   "specd/v1/router_pb2.py"):
+        assert module in names

@@ -11,12 +11,12 @@ import logging
 
 import pytest
 
-from draft_worker.engine import DraftModelEngine
-from router.clients import LocalWorker
-from router.engine import GenParams, Result, Router, RouterSettings
+from specd.draft_worker.engine import DraftModelEngine
+from specd.router.clients import LocalWorker
+from specd.router.engine import GenParams, Result, Router, RouterSettings
 from specd.errors import Unavailable
 from specd.llama import LlamaConfig
-from target_worker.engine import TargetEngine
+from specd.target_worker.engine import TargetEngine
 from tests.conftest import PROMPTS
 
 
@@ -118,7 +118,7 @@ def test_the_context_is_the_smallest_of_every_worker_the_draft_included(engines,
 
 
 def test_a_pool_shrunk_under_running_sessions_never_hands_out_the_ids_it_lost():
-    from router.engine import SeqPool
+    from specd.router.engine import SeqPool
 
     async def main():
         pool = SeqPool(4, max_queue=4)

@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from draft_worker.engine import DraftModelEngine
-from router.clients import LocalWorker
-from router.engine import GenParams, Result, Router, RouterSettings
+from specd.draft_worker.engine import DraftModelEngine
+from specd.router.clients import LocalWorker
+from specd.router.engine import GenParams, Result, Router, RouterSettings
 from specd.llama import LlamaConfig
 from specd.sampling import Sampling
-from target_worker.engine import TargetEngine
+from specd.target_worker.engine import TargetEngine
 from tests.conftest import PROMPTS
 
 

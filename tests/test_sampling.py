@@ -57,8 +57,8 @@ def test_filters():
 
 def test_sample_frequencies_follow_probabilities():
     logits = np.log(np.array([0.6, 0.3, 0.1]))
-    s = Sampling(temperature=1.0)
-    counts = np.bincount([sample(logits, Sampling(temperature=1.0, seed=1), i) for i in range(5000)], minlength=3) / 5000
+    s = Sampling(temperature=1.0, seed=1)
+    counts = np.bincount([sample(logits, s, i) for i in range(5000)], minlength=3) / 5000
     assert np.allclose(counts, [0.6, 0.3, 0.1], atol=0.03)
 
 

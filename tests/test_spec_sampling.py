@@ -213,7 +213,7 @@ def real_logits(models):
     its target (sum min(p, q) about 0.75 at T = 1)."""
     from specd.llama import LlamaConfig
     from specd.models import derived_model
-    from target_worker.engine import TargetEngine
+    from specd.target_worker.engine import TargetEngine
     from tests.conftest import PROMPTS
 
     out = []
@@ -263,11 +263,11 @@ def test_router_rejection_sampling_end_to_end(models):
     both acceptances take most drafts (the draft samples with the target's
     noise), exact acceptance gives target-only's text for the same seed, and
     overlapped drafts carry their q."""
-    from draft_worker.engine import DraftModelEngine
-    from router.clients import LocalWorker
-    from router.engine import GenParams, Result, Router, RouterSettings
+    from specd.draft_worker.engine import DraftModelEngine
+    from specd.router.clients import LocalWorker
+    from specd.router.engine import GenParams, Result, Router, RouterSettings
     from specd.llama import LlamaConfig
-    from target_worker.engine import TargetEngine
+    from specd.target_worker.engine import TargetEngine
 
     t = TargetEngine(LlamaConfig(models["target"], n_ctx_seq=256, n_seq=1, n_threads=1))
     d = DraftModelEngine(LlamaConfig(models["draft"], n_ctx_seq=256, n_seq=1, n_threads=1))

@@ -1,7 +1,7 @@
 """Token bookkeeping and streamed text assembly: pure, no model."""
 import numpy as np
 
-from router.text import TextAssembler
+from specd.router.text import TextAssembler
 from specd.tokens import SeqTokens, history_hash, token_hash
 
 

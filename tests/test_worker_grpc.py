@@ -16,8 +16,8 @@ from specd.llama import LlamaConfig
 from specd.tokens import history_hash
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
-from draft_worker.engine import DraftModelEngine
-from target_worker.engine import TargetEngine
+from specd.draft_worker.engine import DraftModelEngine
+from specd.target_worker.engine import TargetEngine
 
 N_SEQ = 3
 
