@@ -41,12 +41,31 @@ def _router(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     from specd.models import default_models
 
+    if args.link:
+        return _place_model(args)
     paths = default_models(quiet=args.json)
     if args.json:
         print(json.dumps(paths))
     else:
         for role, path in paths.items():
             print(f"{role}: {path}")
+    return 0
+
+
+def _place_model(args: argparse.Namespace) -> int:
+    from specd.model_volume import NoModel, place
+    from specd.models import default_models
+
+    if not args.role:
+        raise SystemExit("specd models: --link needs --role (target or draft)")
+    prepare = (lambda: default_models()[args.role]) if args.default else None
+    try:
+        placed = place(args.link, prepare)
+    except NoModel as exc:
+        raise SystemExit(f"specd models: {exc}")
+    print(f"[specd models] {placed.path}: " + ("kept the model that is there" if placed.kept
+                                               else f"linked the default {args.role} model {placed.source}"),
+          file=sys.stderr)
     return 0
 
 
@@ -209,6 +228,10 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_router)
     p = sub.add_parser("models", help="prepare the default models and print their paths")
     p.add_argument("--json", action="store_true", help='print {"target": PATH, "draft": PATH}')
+    p.add_argument("--link", metavar="PATH", help="make PATH hold the --role model: a model already there is kept; "
+                   "an empty PATH is an error unless --default")
+    p.add_argument("--role", choices=("target", "draft"), help="whose model --link places")
+    p.add_argument("--default", action="store_true", help="with --link: fill an empty PATH with the default model")
     p.set_defaults(fn=_models)
     p = sub.add_parser("up", help="run target, draft and router locally on the default models")
     _add_cluster_flags(p)

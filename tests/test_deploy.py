@@ -41,6 +41,7 @@ KUSTOMIZATIONS = {
     "base": K8S / "base",
     "cpu": K8S / "overlays" / "cpu",
     "gpu": K8S / "overlays" / "gpu",
+    "cpu-pvc": K8S / "overlays" / "cpu-pvc",
 }
 
 # Kubernetes versions the manifests must be valid for: 1.30 is the oldest we
@@ -585,11 +586,23 @@ def test_worker_model_delivery(name, role):
     inits = pod.get("initContainers", [])
     assert [i["name"] for i in inits] == ["models"], f"{name}/{role}: expected the `models` init container"
     init = inits[0]
-    assert "specd" in " ".join(init["command"] + init.get("args", [])) and "models" in " ".join(init.get("args", []))
+    argv = init["command"] + init.get("args", [])
+    # the user's model at the path is kept; only an empty slot is filled, and
+    # only with --default (issue #23)
+    assert argv[:4] == ["specd", "models", "--link", f"/models/{role}.gguf"] and argv[4:6] == ["--role", role], argv
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert "models" in volumes
     mounts = {m["name"]: m for m in init["volumeMounts"]}
-    assert mounts["models"]["mountPath"] == "/models" and not mounts["models"].get("readOnly")
+    assert mounts["models"]["mountPath"] == "/models"
+    claim = volumes["models"].get("persistentVolumeClaim")
+    if claim:  # a pre-populated claim: read-only, never filled with the demo model
+        assert "--default" not in argv and mounts["models"].get("readOnly") is True and claim.get("readOnly") is True
+        pvc = objects(name, "PersistentVolumeClaim")[claim["claimName"]]
+        # rolling with maxSurge needs the old and the new pod (maybe on other
+        # nodes) to mount it at once
+        assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"] or dep["spec"]["strategy"]["type"] == "Recreate"
+    else:
+        assert "--default" in argv and not mounts["models"].get("readOnly")
     c = main_container(dep)
     cmounts = {m["name"]: m for m in c["volumeMounts"]}
     assert cmounts["models"]["mountPath"] == "/models" and cmounts["models"].get("readOnly") is True
@@ -645,7 +658,7 @@ def test_gpu_overlay_puts_target_on_gpu():
         assert "cuda" not in other["image"]
 
 
-@pytest.mark.parametrize("name", ["base", "cpu"])
+@pytest.mark.parametrize("name", ["base", "cpu", "cpu-pvc"])
 def test_cpu_renderings_use_no_gpu(name):
     for role in ("router", "target", "draft"):
         dep = deployment(name, role)
