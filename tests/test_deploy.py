@@ -651,11 +651,22 @@ def test_gpu_overlay_puts_target_on_gpu():
     assert pod.get("nodeSelector"), "GPU target needs a nodeSelector"
     assert int(container_config("gpu", c)["SPECD_N_GPU_LAYERS"]) > 0
     assert dep["spec"]["strategy"] == {"type": "Recreate"}, "no spare GPU for a surge pod"
-    # Router and draft stay on CPU.
-    for role in ("router", "draft"):
-        other = main_container(deployment("gpu", role))
-        assert "nvidia.com/gpu" not in other["resources"]["limits"]
-        assert "cuda" not in other["image"]
+    # A CPU model draft cannot keep up with a GPU target: the draft is on a
+    # GPU too (or model-free), the router on CPU.
+    draft = deployment("gpu", "draft")
+    d = main_container(draft)
+    assert container_config("gpu", d).get("SPECD_NGRAM") or (
+        d["resources"]["limits"].get("nvidia.com/gpu") == 1 and "cuda" in d["image"]
+        and int(container_config("gpu", d)["SPECD_N_GPU_LAYERS"]) > 0 and draft["spec"]["strategy"]["type"] == "Recreate")
+    router = main_container(deployment("gpu", "router"))
+    assert "nvidia.com/gpu" not in router["resources"]["limits"] and "cuda" not in router["image"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_pods_run_on_the_architecture_of_their_images(name):
+    for role in ("router", "target", "draft"):
+        pod = deployment(name, role)["spec"]["template"]["spec"]
+        assert pod.get("nodeSelector", {}).get("kubernetes.io/arch") == "amd64", f"{name}/{role}"
 
 
 @pytest.mark.parametrize("name", ["base", "cpu", "cpu-pvc"])
