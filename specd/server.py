@@ -3,6 +3,10 @@
 Listen first and say NOT_SERVING on the standard health service while the
 model loads; SERVING once ready; on SIGTERM say NOT_SERVING again, give
 in-flight calls `grace_seconds`, then stop. Server reflection is on.
+
+The health service name LIVENESS says SERVING from the start to the end,
+through loading and draining: it answers "is the process alive", for liveness
+probes, which must not kill a pod that is only loading or draining.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ MAX_MESSAGE = 64 << 20
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+LIVENESS = "liveness"
 
 
 class Lifecycle:
@@ -85,6 +90,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     await server.start()
     life = Lifecycle(server, bound, health_servicer, services)
     await life.set_serving(False)
+    await health_servicer.set(LIVENESS, SERVING)
     if port_file:
         tmp = f"{port_file}.tmp"
         with open(tmp, "w") as f:

@@ -452,14 +452,29 @@ def test_deployment_grpc_probes(name, role):
         assert p, f"{name}/{role}: no {probe}"
         assert set(p) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{name}/{role}: {probe} must be a native gRPC probe"
         assert p["grpc"]["port"] == GRPC_PORTS[role], f"{name}/{role}: {probe} probes the wrong port"
-        assert "service" not in p["grpc"], "probe the server's overall health (service \"\")"
-    # The startup budget, not liveness, covers model loading; liveness must be
-    # longer than the drain grace so a draining pod is not killed early.
-    st, lv = c["startupProbe"], c["livenessProbe"]
+        # startup and readiness follow whether the process can serve (service
+        # ""); liveness asks only whether it is alive, which stays SERVING while
+        # loading and draining, so a draining pod is not killed early
+        want = "liveness" if probe == "livenessProbe" else None
+        assert p["grpc"].get("service") == want, f"{name}/{role}: {probe} asks for service {p['grpc'].get('service')}"
+    st = c["startupProbe"]
     startup_budget = st.get("periodSeconds", 10) * st.get("failureThreshold", 3)
     assert startup_budget >= 120, f"{name}/{role}: startup budget {startup_budget}s is too short for model loading"
-    grace = int(container_config(name, c)["SPECD_GRACE_SECONDS"])
-    assert lv.get("periodSeconds", 10) * lv.get("failureThreshold", 3) > grace
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_drain_window_covers_the_worst_case_request(name):
+    """A rollout must not cut an admitted request: the router bounds every
+    request (tokens and time), and every pod drains at least that long."""
+    router = container_config(name, main_container(deployment(name, "router")))
+    assert int(router["SPECD_MAX_TOKENS_LIMIT"]) > 0
+    timeout = float(router["SPECD_REQUEST_TIMEOUT"])
+    assert timeout > 0
+    for role in ("router", "target", "draft"):
+        dep = deployment(name, role)
+        grace = float(container_config(name, main_container(dep))["SPECD_GRACE_SECONDS"])
+        assert grace >= timeout, f"{name}/{role}: grace {grace}s < request timeout {timeout}s"
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace + 5
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -71,10 +71,10 @@ def test_metrics_move_with_a_generation(metered):
         assert used == cached if role == "target" else 0 < used <= cached
 
 
-def health(address: str) -> int | None:
+def health(address: str, service: str = "") -> int | None:
     with grpc.insecure_channel(address) as ch:
         try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
         except grpc.RpcError:
             return None
 
@@ -88,6 +88,8 @@ def test_router_health_follows_its_target_and_sigterm_drains(models, tmp_path):
         address = f"127.0.0.1:{router.wait_port(time.monotonic() + 30)}"
         time.sleep(1.0)
         assert health(address) == health_pb2.HealthCheckResponse.NOT_SERVING  # no target yet
+        # ... but alive: a liveness probe must not restart it (specd/server.py LIVENESS)
+        assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING
         target = Proc("target", ["target", "--model", models["target"], "--port", str(target_port), "--threads", "1",
                                  "--n-ctx", "1024", "--n-seq", "1"], tmp_path)
         deadline = time.monotonic() + 60
@@ -102,6 +104,7 @@ def test_router_health_follows_its_target_and_sigterm_drains(models, tmp_path):
             while health(address) != health_pb2.HealthCheckResponse.NOT_SERVING:  # draining
                 assert time.monotonic() < deadline, "health did not say NOT_SERVING on SIGTERM"
                 time.sleep(0.05)
+            assert health(address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # draining, alive
             rest = collect(stream)
         assert len(first.token_ids) + len(rest.tokens) == 120 and rest.finish_reason == "length"
         assert router.popen.wait(30) == 0
