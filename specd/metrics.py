@@ -6,12 +6,14 @@ process owns its CollectorRegistry; nothing is registered at import time.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("specd.metrics")
 
@@ -22,12 +24,15 @@ SEQ_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 @dataclass
 class SpecDecodingStats:
-    """Drafting counters of one interval."""
+    """Drafting counters since the start: the one place a speculative step
+    is counted. The router's Prometheus export reads them as they stand, the
+    acceptance log what they gained since its last line (`minus`)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafts_per_pos: list[int] = field(default_factory=list)  # drafts long enough to reach each position
 
     def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if num_draft_tokens <= 0:
@@ -35,27 +40,50 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
-        while len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+        while len(self.num_drafts_per_pos) < num_draft_tokens:
+            self.num_drafts_per_pos.append(0)
             self.num_accepted_tokens_per_pos.append(0)
+        for i in range(num_draft_tokens):
+            self.num_drafts_per_pos[i] += 1
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
 
+    def copy(self) -> SpecDecodingStats:
+        return dataclasses.replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+                                   num_drafts_per_pos=list(self.num_drafts_per_pos))
+
+    def minus(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """What was counted since `earlier`, a copy of these stats taken
+        before; positions no draft reached since are left out."""
+        def since(now: list[int], then: list[int]) -> list[int]:
+            return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
+
+        drafts = since(self.num_drafts_per_pos, earlier.num_drafts_per_pos)
+        reached = sum(1 for n in drafts if n > 0)  # a draft reaching a position reached every one before it
+        return SpecDecodingStats(self.num_drafts - earlier.num_drafts,
+                                 self.num_draft_tokens - earlier.num_draft_tokens,
+                                 self.num_accepted_tokens - earlier.num_accepted_tokens,
+                                 since(self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos)[:reached],
+                                 drafts[:reached])
+
 
 class SpecDecodingLogging:
-    """Logs acceptance every `interval` seconds (vLLM's SpecDecodingLogging)."""
+    """Logs acceptance every `interval` seconds (vLLM's SpecDecodingLogging):
+    what `stats` counted since the previous line."""
 
-    def __init__(self, interval: float = 10.0):
+    def __init__(self, stats: SpecDecodingStats, interval: float = 10.0):
+        self.stats = stats
         self.interval = interval
-        self.stats = SpecDecodingStats()
+        self.mark = stats.copy()
         self.last = time.monotonic()
 
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        self.stats.observe_draft(num_draft_tokens, num_accepted_tokens)
+    def tick(self) -> None:
+        """Log if `interval` seconds have passed since the last line."""
         if time.monotonic() - self.last >= self.interval:
             self.log()
 
     def log(self) -> None:
-        s = self.stats
+        s = self.stats.minus(self.mark)
         if s.num_drafts:
             rate = s.num_accepted_tokens / s.num_draft_tokens
             mean_len = 1 + s.num_accepted_tokens / s.num_drafts
@@ -63,8 +91,46 @@ class SpecDecodingLogging:
             log.info("spec decoding: drafts %d, draft tokens %d, accepted %d, acceptance %.3f, mean acceptance "
                      "length %.2f, per-position acceptance [%s]", s.num_drafts, s.num_draft_tokens,
                      s.num_accepted_tokens, rate, mean_len, per_pos)
-        self.stats = SpecDecodingStats()
+        self.mark = self.stats.copy()
         self.last = time.monotonic()
+
+
+class SpecDecodingPrometheus:
+    """The spec-decode counters (`specd_spec_decode_num_drafts_total`, ...,
+    `..._num_accepted_tokens_per_pos_total{position}`), read at scrape time
+    from the SpecDecodingStats that `observe` counts into."""
+
+    def __init__(self, stats: SpecDecodingStats, registry: CollectorRegistry):
+        self.stats = stats
+        self.lock = threading.Lock()  # scrapes run on the metrics server's thread
+        self.created = time.time()
+        self.pos_created: list[float] = []  # when each position's series appeared
+        registry.register(self)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        with self.lock:
+            self.stats.observe_draft(num_draft_tokens, num_accepted_tokens)
+            new = len(self.stats.num_accepted_tokens_per_pos) - len(self.pos_created)
+            if new > 0:  # the series of every drafted position exists from its first draft, at 0 if none accepted
+                self.pos_created += [time.time()] * new
+
+    def collect(self):
+        with self.lock:
+            s, pos_created = self.stats.copy(), list(self.pos_created)
+        yield CounterMetricFamily("specd_spec_decode_num_drafts", "Speculative steps with at least one draft token",
+                                  value=float(s.num_drafts), created=self.created)
+        yield CounterMetricFamily("specd_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                  value=float(s.num_draft_tokens), created=self.created)
+        yield CounterMetricFamily("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                  value=float(s.num_accepted_tokens), created=self.created)
+        per_pos = CounterMetricFamily("specd_spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position in the draft", labels=["position"])
+        for i, (n, created) in enumerate(zip(s.num_accepted_tokens_per_pos, pos_created)):
+            per_pos.add_metric([str(i)], float(n), created=created)
+        yield per_pos
+
+    def describe(self):
+        return self.collect()  # the names, for the registry to refuse a duplicate
 
 
 class RouterPrometheus:
@@ -78,10 +144,8 @@ class RouterPrometheus:
         self.e2e = Histogram("specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)
-        self.num_drafts = Counter("specd_spec_decode_num_drafts", "Speculative steps with at least one draft token", registry=r)
-        self.num_draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
-        self.num_accepted = Counter("specd_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft", ["position"], registry=r)
+        self.spec = SpecDecodingStats()  # counted once, in self.spec_decode; exported and logged from there
+        self.spec_decode = SpecDecodingPrometheus(self.spec, r)
         self.rpc_latency = Histogram("specd_worker_rpc_latency_seconds", "Worker call latency seen by the router", ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
         self.sessions_running = Gauge("specd_sessions_running", "Sessions holding a sequence", registry=r)
         self.sessions_queued = Gauge("specd_sessions_queued", "Sessions waiting for a sequence", registry=r)
@@ -94,21 +158,14 @@ class RouterPrometheus:
                                    registry=r)
         for worker in ("target", "draft"):
             self.divergences.labels(worker=worker)  # both series exist from the start, at 0
-        self.logging = SpecDecodingLogging()
+        self.logging = SpecDecodingLogging(self.spec)
 
     def observe_step(self, stats) -> None:
         if stats.n_drafted:
-            self.num_drafts.inc()
-            self.num_draft_tokens.inc(stats.n_drafted)
-            self.num_accepted.inc(stats.n_accepted)
-            for i in range(stats.n_accepted):
-                self.accepted_per_pos.labels(position=str(i)).inc()
-            for i in range(stats.n_accepted, stats.n_drafted):
-                self.accepted_per_pos.labels(position=str(i)).inc(0)  # the series exists from the start
+            self.spec_decode.observe(stats.n_drafted, stats.n_accepted)
             self.rpc_latency.labels(worker="draft", method="propose").observe(stats.draft_seconds)
-            self.logging.observe(stats.n_drafted, stats.n_accepted)
+            self.logging.tick()
         self.rpc_latency.labels(worker="target", method="verify").observe(stats.verify_seconds)
-
 
     def observe_divergence(self, worker: str) -> None:
         self.divergences.labels(worker=worker).inc()
