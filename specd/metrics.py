@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 log = logging.getLogger("specd.metrics")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# whole requests: a long generation runs for minutes (the deployment admits up to 120 s)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SEQ_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
@@ -125,9 +127,15 @@ class SpecDecodingPrometheus:
                                   value=float(s.num_accepted_tokens), created=self.created)
         per_pos = CounterMetricFamily("specd_spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by position in the draft", labels=["position"])
-        for i, (n, created) in enumerate(zip(s.num_accepted_tokens_per_pos, pos_created)):
-            per_pos.add_metric([str(i)], float(n), created=created)
+        # the denominator of acceptance by position: draft lengths vary
+        # (adaptive drafting), so not every draft reaches every position
+        drafted = CounterMetricFamily("specd_spec_decode_num_draft_tokens_per_pos",
+                                      "Draft tokens verified by position in the draft", labels=["position"])
+        for i, created in enumerate(pos_created):
+            per_pos.add_metric([str(i)], float(s.num_accepted_tokens_per_pos[i]), created=created)
+            drafted.add_metric([str(i)], float(s.num_drafts_per_pos[i]), created=created)
         yield per_pos
+        yield drafted
 
     def describe(self):
         return self.collect()  # the names, for the registry to refuse a duplicate
@@ -141,9 +149,13 @@ class RouterPrometheus:
                                 registry=r)
         self.ttft = Histogram("specd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specd_inter_token_latency_seconds", "Time between streamed tokens (per token)", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=REQUEST_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)
+        # every target step, with or without drafts: tokens per step is
+        # generation_tokens / steps (num_drafts counts only steps with drafts)
+        self.steps = Counter("specd_decode_steps", "Target steps (a verify or a plain decode), with or without "
+                             "draft tokens", registry=r)
         self.spec = SpecDecodingStats()  # counted once, in self.spec_decode; exported and logged from there
         self.spec_decode = SpecDecodingPrometheus(self.spec, r)
         self.rpc_latency = Histogram("specd_worker_rpc_latency_seconds", "Worker call latency seen by the router", ["worker", "method"], buckets=LATENCY_BUCKETS, registry=r)
@@ -161,6 +173,7 @@ class RouterPrometheus:
         self.logging = SpecDecodingLogging(self.spec)
 
     def observe_step(self, stats) -> None:
+        self.steps.inc()
         if stats.n_drafted:
             self.spec_decode.observe(stats.n_drafted, stats.n_accepted)
             self.rpc_latency.labels(worker="draft", method="propose").observe(stats.draft_seconds)

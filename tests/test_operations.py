@@ -51,6 +51,12 @@ def test_metrics_move_with_a_generation(metered):
     per_pos = [value(r, "specd_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)]
     assert sum(per_pos) == value(r, "specd_spec_decode_num_accepted_tokens_total")
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos
+    # acceptance by position divides by the drafts that reached the position
+    drafted = [value(r, "specd_spec_decode_num_draft_tokens_per_pos_total", position=str(i)) for i in range(4)]
+    assert sum(drafted) == value(r, "specd_spec_decode_num_draft_tokens_total")
+    assert all(d >= a for d, a in zip(drafted, per_pos)), (drafted, per_pos)
+    # every target step counts, with or without drafts (tokens per step)
+    assert d("specd_decode_steps_total") == c.n_steps
     assert value(r, "specd_time_to_first_token_seconds_count") >= 1
     assert value(r, "specd_worker_rpc_latency_seconds_count", worker="target", method="verify") >= c.n_steps
     assert value(r, "specd_draft_worker_up") == 1
