@@ -1,17 +1,24 @@
 """Checks of the deployment artefacts: deploy/k8s (kustomize), docker/, deploy/grafana.
 
 What runs here:
-  * `kubectl kustomize` renders the base and both overlays;
+  * `kubectl kustomize` renders the base, every overlay, and the autoscaling
+    components (prometheus-adapter, keda) on top of the cpu overlay;
   * every rendered object is validated against the Kubernetes JSON schemas with
     kubernetes-validate (strict: unknown fields are errors), for the oldest and
-    the newest Kubernetes version we support; the Prometheus Operator CRDs it
-    has no schema for (ServiceMonitor, PrometheusRule) are checked field by
+    the newest Kubernetes version we support; the CRDs it has no schema for
+    (PodMonitor, PrometheusRule, KEDA's ScaledObject) are checked field by
     field here instead;
   * checkov scans the rendered manifests and the Dockerfiles; any failed check
     not in CHECKOV_ALLOW_LIST (each entry with its reason) fails the test;
-  * structural rules of our own: gRPC startup/readiness/liveness probes,
-    requests and limits, thread counts equal to CPU requests, security
-    context, model delivery, GPU placement, network policy, alerts, dashboard.
+  * structural rules of our own. specd runs as cells: one Deployment whose pod
+    holds the router and its own target and draft, the router calling them on
+    127.0.0.1. The rules: gRPC startup/readiness/liveness probes per
+    container, requests = limits (Guaranteed QoS), thread counts equal to CPU
+    requests, security context, model delivery, GPU placement, one metrics
+    port per container, the instance label in every selector (two installs
+    in one namespace never select each other's pods), the HPA on the routers'
+    queue with at least two cells, a PDB of one cell at a time, network
+    policy, alerts, dashboard.
 
 The tools (checkov, kubernetes-validate) live in their own virtualenv,
 $REPO/.venv-tools, installed by `bash .ci/install-deploy-tools`; kubectl comes
@@ -20,12 +27,14 @@ from the machine. A missing tool fails the test: it is never skipped.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,11 +46,26 @@ DASHBOARD = REPO / "deploy" / "grafana" / "specd-dashboard.json"
 DOCKERFILES = [REPO / "docker" / "Dockerfile.cpu", REPO / "docker" / "Dockerfile.gpu"]
 INSTALL_HINT = "install the deploy tools with: bash .ci/install-deploy-tools"
 
+# The kustomizations in the repository.
 KUSTOMIZATIONS = {
     "base": K8S / "base",
     "cpu": K8S / "overlays" / "cpu",
     "gpu": K8S / "overlays" / "gpu",
     "cpu-pvc": K8S / "overlays" / "cpu-pvc",
+    "cpu-b": K8S / "overlays" / "cpu-b",
+}
+# A second install of the cpu overlay in the same namespace: its name suffix
+# and instance label.
+NAME_SUFFIX = {"cpu-b": "-b"}
+INSTANCE = {"cpu-b": "specd-b"}
+DEFAULT_INSTANCE = "specd"
+
+# Components no overlay of the repository uses, rendered on top of the cpu
+# overlay by a kustomization written to a temporary directory (name: the
+# overlay, the components).
+COMPOSED = {
+    "cpu+adapter": ("cpu", ["prometheus-adapter"]),
+    "cpu+keda": ("cpu", ["keda"]),
 }
 
 # Kubernetes versions the manifests must be valid for: 1.30 is the oldest we
@@ -51,7 +75,7 @@ KUSTOMIZATIONS = {
 K8S_VERSIONS = ["1.30.0", "1.37.0"]
 
 # Kinds kubernetes-validate has no schema for; each is checked explicitly below.
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"PodMonitor", "PrometheusRule", "ScaledObject"}
 
 # checkov checks that are allowed to fail, with the reason. Nothing else may
 # fail, and an entry that no longer fails anywhere must be removed (see
@@ -77,13 +101,23 @@ CHECKOV_ALLOW_LIST = {
 }
 
 # Metrics and what the manifests/alerts/dashboard must reference.
-ACCEPTANCE_RATE_EXPR = (
-    "sum(rate(specd_spec_decode_num_accepted_tokens_total[1m]))"
-    " / sum(rate(specd_spec_decode_num_draft_tokens_total[1m]))"
+# The dashboard's acceptance-rate query, up to label matchers (e.g. a
+# $namespace filter) and range windows ([1m], [$__rate_interval]): see
+# _query_shape.
+ACCEPTANCE_RATE_SHAPE = (
+    "sum(rate(specd_spec_decode_num_accepted_tokens_total[w]))"
+    " / sum(rate(specd_spec_decode_num_draft_tokens_total[w]))"
 )
-GRPC_PORTS = {"router": 50051, "target": 50061, "draft": 50062}
-METRICS_PORT = 9090
+ROLES = ("router", "target", "draft")
 WORKERS = ("target", "draft")
+GRPC_PORTS = {"router": 50051, "target": 50061, "draft": 50062}
+ROUTER_HTTP_PORT = 8080
+# One metrics port per container: the three share the pod's network namespace.
+METRICS_PORTS = {"router": 9090, "target": 9091, "draft": 9092}
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+# The router's sessions gauges, which the cells scale on.
+QUEUED = "specd_sessions_queued"
+RUNNING = "specd_sessions_running"
 
 
 # --------------------------------------------------------------------------
@@ -120,71 +154,120 @@ def _run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProc
 # rendering
 
 
+_composed_root: list[Path] = []
+
+
+def kustomization_dir(name: str) -> Path:
+    if name in KUSTOMIZATIONS:
+        return KUSTOMIZATIONS[name]
+    overlay, components = COMPOSED[name]
+    if not _composed_root:
+        root = Path(tempfile.mkdtemp(prefix="specd-kustomize-"))
+        atexit.register(shutil.rmtree, root, True)
+        _composed_root.append(root)
+    d = _composed_root[0] / name.replace("+", "-")
+    d.mkdir(exist_ok=True)
+    # kustomize refuses absolute paths; relative ones may leave the root
+    rel = lambda p: os.path.relpath(p, d)  # noqa: E731
+    text = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        # objects a component adds get no namespace from the overlay below
+        "namespace": "specd",
+        "resources": [rel(KUSTOMIZATIONS[overlay])],
+        "components": [rel(K8S / "components" / c) for c in components],
+    }
+    (d / "kustomization.yaml").write_text(json.dumps(text))  # JSON is YAML
+    return d
+
+
 @functools.lru_cache(maxsize=None)
 def render_text(name: str) -> str:
-    proc = _run([_kubectl(), "kustomize", str(KUSTOMIZATIONS[name])])
+    proc = _run([_kubectl(), "kustomize", str(kustomization_dir(name))])
     if proc.returncode != 0:
         pytest.fail(f"kubectl kustomize {name} failed:\n{proc.stderr}", pytrace=False)
     return proc.stdout
 
 
 @functools.lru_cache(maxsize=None)
-def _render_docs(name: str) -> str:
+def _yaml_json(text: str) -> str:
     # YAML -> JSON with the tools venv's PyYAML (a dependency of both tools), so
     # this test needs nothing beyond pytest in the project's own venv.
     proc = _run(
         [_tool("python"), "-c",
          "import json, sys, yaml; "
-         "json.dump([d for d in yaml.safe_load_all(sys.stdin) if d], sys.stdout)"],
-        input=render_text(name),
+         "json.dump([d for d in yaml.safe_load_all(sys.stdin) if d is not None], sys.stdout)"],
+        input=text,
     )
     if proc.returncode != 0:
-        pytest.fail(f"rendered {name} is not valid YAML:\n{proc.stderr}", pytrace=False)
+        pytest.fail(f"not valid YAML:\n{proc.stderr}", pytrace=False)
     return proc.stdout
 
 
+def load_yaml(text: str) -> list:
+    return json.loads(_yaml_json(text))  # fresh copy: tests may not mutate the cache
+
+
 def render(name: str) -> list[dict]:
-    return json.loads(_render_docs(name))  # fresh copy: tests may not mutate the cache
+    return load_yaml(render_text(name))
 
 
 def objects(name: str, kind: str) -> dict[str, dict]:
     return {o["metadata"]["name"]: o for o in render(name) if o["kind"] == kind}
 
 
-def deployment(name: str, role: str) -> dict:
+def sfx(name: str) -> str:
+    return NAME_SUFFIX.get(name, "")
+
+
+def instance(name: str) -> str:
+    return INSTANCE.get(name, DEFAULT_INSTANCE)
+
+
+def cell(name: str) -> dict:
     deps = objects(name, "Deployment")
-    assert f"specd-{role}" in deps, f"{name}: no Deployment specd-{role}"
-    return deps[f"specd-{role}"]
+    assert list(deps) == [f"specd-cell{sfx(name)}"], f"{name}: expected the one Deployment specd-cell, found {list(deps)}"
+    return deps[f"specd-cell{sfx(name)}"]
 
 
-def main_container(dep: dict) -> dict:
-    containers = dep["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1, f"{dep['metadata']['name']}: expected one container"
-    return containers[0]
+def pod_spec(name: str) -> dict:
+    return cell(name)["spec"]["template"]["spec"]
 
 
-def env_of(container: dict) -> dict[str, str]:
-    return {e["name"]: e.get("value") for e in container.get("env", [])}
+def pod_labels(name: str) -> dict:
+    return cell(name)["spec"]["template"]["metadata"]["labels"]
 
 
-def configmap_data(name: str, prefix: str) -> dict[str, str]:
-    """Data of the generated ConfigMap `prefix-<hash>`."""
-    cms = [o for n, o in objects(name, "ConfigMap").items()
-           if re.fullmatch(rf"{re.escape(prefix)}(-[a-z0-9]{{10}})?", n)]
-    assert len(cms) == 1, f"{name}: expected one ConfigMap {prefix}, found {len(cms)}"
-    return cms[0]["data"]
+def container(name: str, role: str) -> dict:
+    found = [c for c in pod_spec(name)["containers"] if c["name"] == role]
+    assert len(found) == 1, f"{name}: expected one container {role!r} in the cell"
+    return found[0]
 
 
-def container_config(name: str, container: dict) -> dict[str, str]:
+def init_container(name: str, role: str) -> dict:
+    found = [c for c in pod_spec(name).get("initContainers", []) if c["name"] == f"models-{role}"]
+    assert len(found) == 1, f"{name}: expected one init container models-{role}"
+    return found[0]
+
+
+def env_of(c: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in c.get("env", [])}
+
+
+def container_config(name: str, c: dict) -> dict[str, str]:
     """The environment a container gets: envFrom ConfigMaps, then env."""
     cms = {n: o.get("data", {}) for n, o in objects(name, "ConfigMap").items()}
     merged: dict[str, str] = {}
-    for src in container.get("envFrom", []):
+    for src in c.get("envFrom", []):
         ref = src["configMapRef"]["name"]
-        assert ref in cms, f"{name}: {container['name']} references missing ConfigMap {ref}"
+        assert ref in cms, f"{name}: {c['name']} references missing ConfigMap {ref}"
         merged.update(cms[ref])
-    merged.update({k: v for k, v in env_of(container).items() if v is not None})
+    merged.update({k: v for k, v in env_of(c).items() if v is not None})
     return merged
+
+
+def config(name: str, role: str) -> dict[str, str]:
+    return container_config(name, container(name, role))
 
 
 def cpu_cores(quantity: str) -> float:
@@ -192,12 +275,18 @@ def cpu_cores(quantity: str) -> float:
     return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
 
 
-def all_containers(dep: dict) -> list[dict]:
-    spec = dep["spec"]["template"]["spec"]
+def all_containers(name: str) -> list[dict]:
+    spec = pod_spec(name)
     return spec.get("initContainers", []) + spec["containers"]
 
 
+def startup_budget(c: dict) -> int:
+    p = c["startupProbe"]
+    return p.get("periodSeconds", 10) * p.get("failureThreshold", 3)
+
+
 ALL = list(KUSTOMIZATIONS)
+RENDERED = ALL + list(COMPOSED)
 
 
 # --------------------------------------------------------------------------
@@ -206,29 +295,34 @@ ALL = list(KUSTOMIZATIONS)
 
 @pytest.mark.parametrize("name", ALL)
 def test_kustomization_renders_expected_objects(name):
-    kinds = {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"])
-             for o in render(name)}
+    s = sfx(name)
+    kinds = {(o["kind"], re.sub(r"-[a-z0-9]{10}$", "", o["metadata"]["name"]) if o["kind"] == "ConfigMap"
+              else o["metadata"]["name"]) for o in render(name)}
     expected = {
-        ("Namespace", "specd"), ("ServiceAccount", "specd"),
-        ("ConfigMap", "specd-common"), ("ConfigMap", "specd-router"),
-        ("ConfigMap", "specd-target"), ("ConfigMap", "specd-draft"),
-        ("Deployment", "specd-router"), ("Deployment", "specd-target"), ("Deployment", "specd-draft"),
-        ("Service", "specd-router"), ("Service", "specd-target"), ("Service", "specd-draft"),
-        ("PodDisruptionBudget", "specd-router"), ("PodDisruptionBudget", "specd-target"),
-        ("PodDisruptionBudget", "specd-draft"),
-        ("HorizontalPodAutoscaler", "specd-router"),
-        ("NetworkPolicy", "specd-default-deny-ingress"), ("NetworkPolicy", "specd-workers-from-router"),
-        ("NetworkPolicy", "specd-router-from-clients"), ("NetworkPolicy", "specd-metrics-from-prometheus"),
-        ("ServiceMonitor", "specd"), ("PrometheusRule", "specd"),
+        ("ServiceAccount", f"specd{s}"),
+        ("ConfigMap", f"specd-common{s}"), ("ConfigMap", f"specd-router{s}"),
+        ("ConfigMap", f"specd-target{s}"), ("ConfigMap", f"specd-draft{s}"),
+        ("Deployment", f"specd-cell{s}"), ("Service", f"specd-router{s}"),
+        ("PodDisruptionBudget", f"specd-cell{s}"), ("HorizontalPodAutoscaler", f"specd-cell{s}"),
+        ("NetworkPolicy", f"specd-default-deny-ingress{s}"), ("NetworkPolicy", f"specd-router-from-clients{s}"),
+        ("NetworkPolicy", f"specd-metrics-from-prometheus{s}"),
+        ("PodMonitor", f"specd{s}"), ("PrometheusRule", f"specd{s}"),
     }
+    # the namespace belongs to the first install only (overlays/cpu-b)
+    if name not in NAME_SUFFIX:
+        expected.add(("Namespace", "specd"))
     missing = expected - kinds
     assert not missing, f"{name}: missing objects {sorted(missing)}"
+    # One Deployment (the cell) and one Service (the public API): no worker
+    # Deployments or Services a router could be pointed at by mistake.
+    assert len(objects(name, "Deployment")) == 1 and len(objects(name, "Service")) == 1, \
+        f"{name}: expected one Deployment and one Service"
     for o in render(name):
         if o["kind"] != "Namespace":
             assert o["metadata"].get("namespace") == "specd", f"{name}: {o['kind']}/{o['metadata']['name']} not in namespace specd"
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", RENDERED)
 def test_kubernetes_schema_validation(name, tmp_path):
     docs = render(name)
     files = {}
@@ -248,7 +342,7 @@ def test_kubernetes_schema_validation(name, tmp_path):
         lines = [line for line in out.splitlines() if fname in line]
         if doc["kind"] in CRD_KINDS:
             # No schema bundled: must be reported as such (never "passed"), and
-            # is then covered by test_servicemonitor / test_prometheusrule.
+            # is then covered by the tests of that kind below.
             assert lines and all(line.startswith("WARN") and "Couldn't find schema" in line for line in lines), \
                 f"{name}: unexpected kubernetes-validate result for {fname}:\n" + "\n".join(lines)
         else:
@@ -299,40 +393,48 @@ def _promql_balanced(expr: str) -> bool:
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_servicemonitor(name):
-    sms = objects(name, "ServiceMonitor")
-    assert list(sms) == ["specd"], f"{name}: expected one ServiceMonitor 'specd'"
-    sm = sms["specd"]
+def test_podmonitor(name):
+    pms = objects(name, "PodMonitor")
+    assert list(pms) == [f"specd{sfx(name)}"], f"{name}: expected one PodMonitor"
+    pm = next(iter(pms.values()))
     # Required by the CRD: apiVersion/kind/metadata.name, spec.selector; and
     # endpoints, without which nothing is scraped.
-    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
-    spec = sm["spec"]
-    assert isinstance(spec.get("selector"), dict) and spec["selector"], "ServiceMonitor needs spec.selector"
-    endpoints = spec.get("endpoints")
-    assert isinstance(endpoints, list) and endpoints, "ServiceMonitor needs spec.endpoints"
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = pm["spec"]
+    assert isinstance(spec.get("selector"), dict) and spec["selector"].get("matchLabels"), "PodMonitor needs spec.selector"
+    # It selects this install's cells, and only by the cell's labels.
+    assert _selector_matches(spec["selector"], pod_labels(name))
+    assert spec["selector"]["matchLabels"].get(INSTANCE_LABEL) == instance(name), \
+        f"{name}: the PodMonitor must select by {INSTANCE_LABEL}={instance(name)}"
+    # The instance label on every series: the alerts group by it.
+    assert INSTANCE_LABEL in spec.get("podTargetLabels", [])
+    endpoints = spec.get("podMetricsEndpoints")
+    assert isinstance(endpoints, list) and endpoints, "PodMonitor needs spec.podMetricsEndpoints"
+    scraped = {}
     for ep in endpoints:
-        assert ep.get("port") == "metrics", f"endpoint must scrape the named port 'metrics': {ep}"
         assert ep.get("path", "/metrics") == "/metrics"
         assert re.fullmatch(r"\d+s", ep.get("interval", "")), f"endpoint interval missing/invalid: {ep}"
         assert int(ep["scrapeTimeout"][:-1]) <= int(ep["interval"][:-1])
-        # role label from the Service's component label (metrics carry none).
-        assert any(r.get("targetLabel") == "role" for r in ep.get("relabelings", [])), \
-            "ServiceMonitor must add a `role` label"
-    # It must select exactly the three specd Services, each of which exposes
-    # the named metrics port.
-    services = objects(name, "Service")
-    selected = {n for n, s in services.items() if _selector_matches(spec["selector"], s["metadata"].get("labels", {}))}
-    assert selected == {"specd-router", "specd-target", "specd-draft"}, f"ServiceMonitor selects {selected}"
-    for n in selected:
-        ports = {p["name"]: p for p in services[n]["spec"]["ports"]}
-        assert "metrics" in ports and ports["metrics"]["port"] == METRICS_PORT, f"{n} lacks port metrics/{METRICS_PORT}"
+        # role and job set per endpoint: the metrics carry no role, and the
+        # dashboard and SpecdScrapeTargetDown group by job = specd-<role>
+        relabel = {r.get("targetLabel"): r for r in ep.get("relabelings", [])}
+        role = relabel.get("role", {}).get("replacement")
+        assert role in ROLES, f"endpoint {ep.get('port')} must set a role label: {ep}"
+        assert relabel.get("job", {}).get("replacement") == f"specd-{role}"
+        assert not relabel["role"].get("sourceLabels") and relabel["role"].get("action", "replace") == "replace"
+        scraped[role] = ep["port"]
+    assert set(scraped) == set(ROLES), f"{name}: PodMonitor scrapes {sorted(scraped)}, not every container"
+    # Each endpoint is the named metrics port of its own container.
+    for role, port_name in scraped.items():
+        ports = {p["name"]: p["containerPort"] for p in container(name, role)["ports"]}
+        assert ports.get(port_name) == METRICS_PORTS[role], f"{name}: {role}'s metrics port is not {port_name}"
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_prometheusrule(name):
     rules = objects(name, "PrometheusRule")
-    assert list(rules) == ["specd"], f"{name}: expected one PrometheusRule 'specd'"
-    pr = rules["specd"]
+    assert list(rules) == [f"specd{sfx(name)}"], f"{name}: expected one PrometheusRule"
+    pr = next(iter(rules.values()))
     assert pr["apiVersion"] == "monitoring.coreos.com/v1"
     groups = pr["spec"].get("groups")
     assert isinstance(groups, list) and groups, "PrometheusRule needs spec.groups"
@@ -358,8 +460,20 @@ def test_prometheusrule(name):
     assert acc.index("specd_spec_decode_num_accepted_tokens_total") < acc.index("specd_spec_decode_num_draft_tokens_total")
     assert "specd_draft_worker_up" in alerts.get("SpecdDraftWorkerDown", "")
     assert "== 0" in alerts["SpecdDraftWorkerDown"]
-    err = alerts.get("SpecdHighErrorRate", "")
-    assert 'specd_requests_total{outcome!="ok"}' in err, f"error-rate alert must use outcome!=\"ok\": {err}"
+    # what the error-rate and scrape alerts fire on: tests/test_alerts.py (promtool)
+    assert "specd_requests_total{outcome!~" in alerts.get("SpecdHighErrorRate", "")
+    # The scrape alert matches the jobs the PodMonitor sets.
+    down = alerts.get("SpecdScrapeTargetDown", "")
+    m = re.search(r'up\{job=~"([^"]+)"\}', down)
+    assert m and all(re.fullmatch(m.group(1), f"specd-{role}") for role in ROLES), down
+    # A queue that outlasts the autoscaler (no adapter, maxReplicas, Pending cells).
+    assert QUEUED in alerts.get("SpecdSessionsQueuedSustained", "")
+    # Label names the alerts group by exist on the series: the PodMonitor's
+    # podTargetLabels turn app.kubernetes.io/instance into this one.
+    for expr in alerts.values():
+        for label in re.findall(r"by \(([^)]*)\)", expr):
+            for lab in (x.strip() for x in label.split(",")):
+                assert lab in {"namespace", "pod", "app_kubernetes_io_instance", "outcome"}, f"groups by unknown label {lab}"
 
 
 # --------------------------------------------------------------------------
@@ -368,10 +482,10 @@ def test_prometheusrule(name):
 
 @pytest.fixture(scope="session")
 def checkov_report(tmp_path_factory) -> dict:
-    """One checkov run over all three renderings and both Dockerfiles."""
+    """One checkov run over every rendering and both Dockerfiles."""
     checkov = _tool("checkov")
     scan = tmp_path_factory.mktemp("checkov")
-    for name in ALL:
+    for name in RENDERED:
         (scan / f"{name}.yaml").write_text(render_text(name))
     for df in DOCKERFILES:
         shutil.copy(df, scan / df.name)
@@ -404,7 +518,7 @@ def _failures(report: dict, filename: str) -> list[dict]:
             if Path(c["file_path"]).name == filename]
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", RENDERED)
 def test_checkov_kubernetes(name, checkov_report):
     report = checkov_report["kubernetes"]
     passed = [c for c in report["results"].get("passed_checks", [])
@@ -436,85 +550,140 @@ def test_checkov_allow_list_is_not_stale(checkov_report):
 
 
 # --------------------------------------------------------------------------
-# Deployments
+# the cell: one pod, router + target + draft
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("role", ["router", "target", "draft"])
-def test_deployment_grpc_probes(name, role):
-    dep = deployment(name, role)
-    c = main_container(dep)
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports.get("grpc") == GRPC_PORTS[role], f"{role}: grpc port should be {GRPC_PORTS[role]}"
-    assert ports.get("metrics") == METRICS_PORT
+def test_the_cell_is_one_pod_of_router_target_and_draft(name):
+    spec = pod_spec(name)
+    assert sorted(c["name"] for c in spec["containers"]) == sorted(ROLES)
+    assert sorted(c["name"] for c in spec.get("initContainers", [])) == ["models-draft", "models-target"]
+    # `kubectl logs` without -c reads the router
+    annotations = cell(name)["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("kubectl.kubernetes.io/default-container") == "router"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_router_reaches_its_own_workers_over_loopback(name):
+    """A router clears every sequence of a worker it attaches to: it must
+    only ever reach the workers of its own pod."""
+    router = config(name, "router")
+    for role, key in (("target", "SPECD_TARGET"), ("draft", "SPECD_DRAFT")):
+        host, port = router[key].rsplit(":", 1)
+        assert host in {"127.0.0.1", "localhost", "[::1]"}, f"{name}: {key}={router[key]} leaves the pod"
+        worker = config(name, role)
+        assert int(port) == int(worker["SPECD_PORT"]) == GRPC_PORTS[role], f"{name}: {key} port != {role}'s SPECD_PORT"
+        # the worker listens where the router dials (and where probes reach it)
+        assert worker["SPECD_HOST"] in {"0.0.0.0", "::"}, f"{name}: {role} SPECD_HOST={worker['SPECD_HOST']}"
+        ports = {p["containerPort"] for p in container(name, role)["ports"]}
+        assert int(port) in ports, f"{name}: {role} does not declare port {port}"
+    assert int(router["SPECD_PORT"]) == GRPC_PORTS["router"]
+    assert int(router["SPECD_HTTP_PORT"]) == ROUTER_HTTP_PORT
+    # Workers that share sessions must agree on sequences and context.
+    t, d = config(name, "target"), config(name, "draft")
+    assert t["SPECD_N_SEQ"] == d["SPECD_N_SEQ"] and t["SPECD_N_CTX"] == d["SPECD_N_CTX"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_service_reaches_only_the_routers_api(name):
+    svcs = objects(name, "Service")
+    svc = svcs[f"specd-router{sfx(name)}"]
+    assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert _selector_matches({"matchLabels": svc["spec"]["selector"]}, pod_labels(name))
+    router_ports = {p["name"]: p["containerPort"] for p in container(name, "router")["ports"]}
+    targets = set()
+    for p in svc["spec"]["ports"]:
+        tp = p["targetPort"]
+        targets.add(router_ports[tp] if isinstance(tp, str) else tp)
+    assert targets == {GRPC_PORTS["router"], ROUTER_HTTP_PORT}, f"{name}: the Service exposes {sorted(targets)}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_each_container_has_its_own_metrics_port(name):
+    declared = [p["containerPort"] for c in pod_spec(name)["containers"] for p in c.get("ports", [])]
+    assert len(declared) == len(set(declared)), f"{name}: two containers declare one port: {declared}"
+    names = [p["name"] for c in pod_spec(name)["containers"] for p in c.get("ports", [])]
+    assert len(names) == len(set(names)), f"{name}: port names must be unique in the pod: {names}"
+    for role in ROLES:
+        port = int(config(name, role)["SPECD_METRICS_PORT"])
+        assert port == METRICS_PORTS[role], f"{name}: {role} SPECD_METRICS_PORT {port}"
+        assert port in {p["containerPort"] for p in container(name, role)["ports"]}
+    # and none is another container's serving port (all seven ports distinct)
+    assert len(set(METRICS_PORTS.values()) | set(GRPC_PORTS.values()) | {ROUTER_HTTP_PORT}) == 7
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("role", ROLES)
+def test_container_grpc_probes(name, role):
+    c = container(name, role)
+    assert GRPC_PORTS[role] in {p["containerPort"] for p in c["ports"]}, f"{role}: no gRPC port {GRPC_PORTS[role]}"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c.get(probe)
         assert p, f"{name}/{role}: no {probe}"
         assert set(p) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, f"{name}/{role}: {probe} must be a native gRPC probe"
+        # each container on its own port: a probe on another's would restart
+        # the wrong process
         assert p["grpc"]["port"] == GRPC_PORTS[role], f"{name}/{role}: {probe} probes the wrong port"
         # startup and readiness follow whether the process can serve (service
         # ""); liveness asks only whether it is alive, which stays SERVING while
         # loading and draining, so a draining pod is not killed early
         want = "liveness" if probe == "livenessProbe" else None
         assert p["grpc"].get("service") == want, f"{name}/{role}: {probe} asks for service {p['grpc'].get('service')}"
-    st = c["startupProbe"]
-    startup_budget = st.get("periodSeconds", 10) * st.get("failureThreshold", 3)
-    assert startup_budget >= 120, f"{name}/{role}: startup budget {startup_budget}s is too short for model loading"
+    budget = startup_budget(c)
+    assert budget >= 120, f"{name}/{role}: startup budget {budget}s is too short for model loading"
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_the_drain_window_covers_the_worst_case_request(name):
     """A rollout must not cut an admitted request: the router bounds every
-    request (tokens and time), and every pod drains at least that long."""
-    router = container_config(name, main_container(deployment(name, "router")))
+    request (tokens and time), every container drains at least that long, and
+    the workers outlive their router's last stream."""
+    router = config(name, "router")
     assert int(router["SPECD_MAX_TOKENS_LIMIT"]) > 0
     timeout = float(router["SPECD_REQUEST_TIMEOUT"])
     assert timeout > 0
-    for role in ("router", "target", "draft"):
-        dep = deployment(name, role)
-        grace = float(container_config(name, main_container(dep))["SPECD_GRACE_SECONDS"])
+    tgps = pod_spec(name)["terminationGracePeriodSeconds"]
+    pre = {}
+    for role in ROLES:
+        c = container(name, role)
+        grace = float(config(name, role)["SPECD_GRACE_SECONDS"])
         assert grace >= timeout, f"{name}/{role}: grace {grace}s < request timeout {timeout}s"
-        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= grace + 5
+        pre[role] = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert tgps >= grace + pre[role], f"{name}/{role}: terminationGracePeriodSeconds < preStop {pre[role]}s + grace {grace}s"
+    for role in WORKERS:
+        assert pre[role] > pre["router"], f"{name}: {role} gets SIGTERM no later than the router it serves"
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_router_waits_at_least_as_long_as_target_loads(name):
     # The router is NOT_SERVING until its target answers, so its startup
     # budget must cover the target's, or it restart-loops during a slow load.
-    def budget(role):
-        p = main_container(deployment(name, role))["startupProbe"]
-        return p.get("periodSeconds", 10) * p.get("failureThreshold", 3)
-    assert budget("router") >= budget("target"), f"{name}: router startup {budget('router')}s < target {budget('target')}s"
+    r, t = startup_budget(container(name, "router")), startup_budget(container(name, "target"))
+    assert r >= t, f"{name}: router startup {r}s < target {t}s"
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("role", ["router", "target", "draft"])
-def test_deployment_resources(name, role):
-    dep = deployment(name, role)
-    for c in all_containers(dep):
+def test_resources_make_the_cell_guaranteed(name):
+    # Guaranteed QoS for the whole pod (exclusive cores for the decode threads
+    # under the static CPU manager) needs requests == limits for CPU and
+    # memory on every container, init containers and the router included.
+    for c in all_containers(name):
         res = c.get("resources", {})
         for kind in ("requests", "limits"):
             for r in ("cpu", "memory"):
-                assert r in res.get(kind, {}), f"{name}/{role}/{c['name']}: no {kind}.{r}"
-        assert cpu_cores(res["limits"]["cpu"]) >= cpu_cores(res["requests"]["cpu"])
-        # Memory is not compressible: limit = request everywhere.
-        assert res["limits"]["memory"] == res["requests"]["memory"], f"{name}/{role}/{c['name']}: memory limit != request"
-    if role in WORKERS:
-        # Guaranteed QoS for the workers (exclusive cores under the static CPU
-        # manager): every container, init included, has requests == limits.
-        for c in all_containers(dep):
-            res = c["resources"]
-            assert res["limits"]["cpu"] == res["requests"]["cpu"], f"{name}/{role}/{c['name']}: cpu limit != request"
+                assert r in res.get(kind, {}), f"{name}/{c['name']}: no {kind}.{r}"
+        for r in ("cpu", "memory"):
+            assert res["limits"][r] == res["requests"][r], f"{name}/{c['name']}: {r} limit != request"
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("role", ["router", "target", "draft"])
+@pytest.mark.parametrize("role", ROLES)
 def test_thread_counts_match_cpu_requests(name, role):
-    c = main_container(deployment(name, role))
+    c = container(name, role)
     env = env_of(c)
     cpu = cpu_cores(c["resources"]["requests"]["cpu"])
     assert cpu == int(cpu) and cpu >= 1, f"{name}/{role}: CPU request must be whole cores, is {cpu}"
-    # Set explicitly as literals in the Deployment, next to the resources.
+    # Set explicitly as literals in the container, next to the resources.
     assert env.get("OMP_NUM_THREADS") is not None, f"{name}/{role}: OMP_NUM_THREADS not set explicitly"
     assert int(env["OMP_NUM_THREADS"]) == int(cpu), f"{name}/{role}: OMP_NUM_THREADS {env['OMP_NUM_THREADS']} != CPU request {cpu}"
     if role in WORKERS:
@@ -524,18 +693,15 @@ def test_thread_counts_match_cpu_requests(name, role):
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("role", ["router", "target", "draft"])
-def test_deployment_security(name, role):
-    dep = deployment(name, role)
-    pod = dep["spec"]["template"]["spec"]
+def test_cell_security(name):
+    pod = pod_spec(name)
     psc = pod["securityContext"]
     assert psc["runAsNonRoot"] is True and psc["runAsUser"] >= 10000
     assert psc["seccompProfile"]["type"] == "RuntimeDefault"
     assert pod["automountServiceAccountToken"] is False
-    assert pod["serviceAccountName"] == "specd"
+    assert pod["serviceAccountName"] == f"specd{sfx(name)}"
     assert pod["enableServiceLinks"] is False, "injected SPECD_*_PORT variables could clobber settings"
-    writable = set()
-    for c in all_containers(dep):
+    for c in all_containers(name):
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False
         assert sc["readOnlyRootFilesystem"] is True
@@ -544,15 +710,14 @@ def test_deployment_security(name, role):
         image = c["image"]
         repo, _, tag = image.rpartition(":")
         assert "@sha256:" in image or (repo and tag and tag != "latest" and "/" not in tag), \
-            f"{name}/{role}/{c['name']}: image {image} is not pinned"
-        writable |= {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
-    assert "/tmp" in writable, "read-only root fs needs a writable /tmp"
-    # Grace period covers preStop + SPECD_GRACE_SECONDS.
-    c = main_container(dep)
-    grace = int(container_config(name, c)["SPECD_GRACE_SECONDS"])
-    pre = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["terminationGracePeriodSeconds"] >= grace + pre, \
-        f"{name}/{role}: terminationGracePeriodSeconds < preStop {pre}s + grace {grace}s"
+            f"{name}/{c['name']}: image {image} is not pinned"
+        # a read-only root fs needs a writable /tmp in every container
+        writable = {m["mountPath"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+        assert "/tmp" in writable, f"{name}/{c['name']}: no writable /tmp"
+    # every volume is bounded or read-only
+    for v in pod["volumes"]:
+        if "emptyDir" in v:
+            assert v["emptyDir"].get("sizeLimit"), f"{name}: emptyDir {v['name']} without sizeLimit"
 
 
 API_KEYS_SECRET = "specd-api-keys"
@@ -561,11 +726,10 @@ API_KEYS_SECRET = "specd-api-keys"
 def _secret_file(name: str, role: str, var: str) -> tuple[str, str]:
     """(Secret, key in it) of the file `var` names, checking that it is a
     read-only mount of a required Secret no other user can read."""
-    dep = deployment(name, role)
-    c = main_container(dep)
+    c = container(name, role)
     path = container_config(name, c).get(var)
     assert path, f"{name}/{role}: {var} is not set"
-    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in pod_spec(name)["volumes"]}
     for m in c.get("volumeMounts", []):
         mount = m["mountPath"].rstrip("/") + "/"
         if path.startswith(mount):
@@ -584,23 +748,22 @@ def _secret_file(name: str, role: str, var: str) -> tuple[str, str]:
 @pytest.mark.parametrize("name", ALL)
 def test_workers_require_the_routers_api_key(name):
     # Item 7 of #18: a worker must refuse callers without a key, and the
-    # router must present one the workers hold: one Secret in all three pods.
+    # router must present one the workers hold. The workers listen on the pod
+    # IP (for probes and metrics), so the key is what stops a pod that slips
+    # past the NetworkPolicy.
     router = _secret_file(name, "router", "SPECD_WORKER_API_KEY_FILE")
     assert router[0] == API_KEYS_SECRET
     for role in WORKERS:
         assert _secret_file(name, role, "SPECD_API_KEY_FILE") == router, \
             f"{name}: {role} reads its keys from another file than the one the router presents"
-        # health stays open, so the probes (test_deployment_grpc_probes) need no key
+        # health stays open, so the probes (test_container_grpc_probes) need no key
 
 
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("role", WORKERS)
 def test_worker_model_delivery(name, role):
-    dep = deployment(name, role)
-    pod = dep["spec"]["template"]["spec"]
-    inits = pod.get("initContainers", [])
-    assert [i["name"] for i in inits] == ["models"], f"{name}/{role}: expected the `models` init container"
-    init = inits[0]
+    pod = pod_spec(name)
+    init = init_container(name, role)
     argv = init["command"] + init.get("args", [])
     # the user's model at the path is kept; only an empty slot is filled, and
     # only with --default (issue #23)
@@ -613,139 +776,252 @@ def test_worker_model_delivery(name, role):
     if claim:  # a pre-populated claim: read-only, never filled with the demo model
         assert "--default" not in argv and mounts["models"].get("readOnly") is True and claim.get("readOnly") is True
         pvc = objects(name, "PersistentVolumeClaim")[claim["claimName"]]
-        # rolling with maxSurge needs the old and the new pod (maybe on other
-        # nodes) to mount it at once
-        assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"] or dep["spec"]["strategy"]["type"] == "Recreate"
+        # every cell mounts it (two at least, on different nodes, plus a surge cell)
+        assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
     else:
         assert "--default" in argv and not mounts["models"].get("readOnly")
-    c = main_container(dep)
+    c = container(name, role)
     cmounts = {m["name"]: m for m in c["volumeMounts"]}
     assert cmounts["models"]["mountPath"] == "/models" and cmounts["models"].get("readOnly") is True
-    cfg = container_config(name, c)
-    assert cfg["SPECD_MODEL"] == f"/models/{role}.gguf"
+    assert config(name, role)["SPECD_MODEL"] == f"/models/{role}.gguf"
     assert container_config(name, init)["SPECD_CACHE_DIR"].startswith("/models/")
     # The init container uses the CPU image everywhere (no GPU for it).
     assert "cuda" not in init["image"]
     # The scheduler reserves the disk the emptyDir may fill.
     if "emptyDir" in volumes["models"]:
         assert volumes["models"]["emptyDir"]["sizeLimit"] == init["resources"]["requests"]["ephemeral-storage"]
+    # The router never sees the models.
+    assert "models" not in {m["name"] for m in container(name, "router").get("volumeMounts", [])}
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_router_settings_point_at_worker_services(name):
-    services = objects(name, "Service")
-    cfg = container_config(name, main_container(deployment(name, "router")))
-    for role, key in (("target", "SPECD_TARGET"), ("draft", "SPECD_DRAFT")):
-        host, port = cfg[key].rsplit(":", 1)
-        assert host == f"specd-{role}", f"{key}={cfg[key]}"
-        svc = services[host]
-        assert svc["spec"]["type"] == "ClusterIP"
-        assert int(port) in {p["port"] for p in svc["spec"]["ports"]}, f"{key} port not on Service {host}"
-    for role in ("router", "target", "draft"):
-        svc = services[f"specd-{role}"]
-        assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
-        dep = deployment(name, role)
-        assert _selector_matches({"matchLabels": svc["spec"]["selector"]}, dep["spec"]["template"]["metadata"]["labels"])
-        c = main_container(dep)
-        assert int(container_config(name, c)["SPECD_PORT"]) == GRPC_PORTS[role]
-        assert int(container_config(name, c)["SPECD_METRICS_PORT"]) == METRICS_PORT
-    # Workers that share sessions must agree on sequences and context.
-    t = container_config(name, main_container(deployment(name, "target")))
-    d = container_config(name, main_container(deployment(name, "draft")))
-    assert t["SPECD_N_SEQ"] == d["SPECD_N_SEQ"] and t["SPECD_N_CTX"] == d["SPECD_N_CTX"]
-
-
-def test_gpu_overlay_puts_target_on_gpu():
-    dep = deployment("gpu", "target")
-    pod = dep["spec"]["template"]["spec"]
-    c = main_container(dep)
-    assert c["resources"]["limits"].get("nvidia.com/gpu") == 1
-    assert c["resources"]["requests"].get("nvidia.com/gpu") == 1
-    assert "cuda" in c["image"], f"GPU target must use the CUDA image, not {c['image']}"
-    assert any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NoSchedule" for t in pod.get("tolerations", []))
-    assert pod.get("nodeSelector"), "GPU target needs a nodeSelector"
-    assert int(container_config("gpu", c)["SPECD_N_GPU_LAYERS"]) > 0
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}, "no spare GPU for a surge pod"
+def test_gpu_overlay_puts_the_workers_on_gpus():
+    pod = pod_spec("gpu")
+    t = container("gpu", "target")
+    assert t["resources"]["limits"].get("nvidia.com/gpu") == 1
+    assert t["resources"]["requests"].get("nvidia.com/gpu") == 1
+    assert "cuda" in t["image"], f"GPU target must use the CUDA image, not {t['image']}"
+    assert any(x.get("key") == "nvidia.com/gpu" and x.get("effect") == "NoSchedule" for x in pod.get("tolerations", []))
+    assert pod.get("nodeSelector", {}).get("nvidia.com/gpu.present") == "true", "GPU cell needs a GPU nodeSelector"
+    assert int(config("gpu", "target")["SPECD_N_GPU_LAYERS"]) > 0
     # A CPU model draft cannot keep up with a GPU target: the draft is on a
     # GPU too (or model-free), the router on CPU.
-    draft = deployment("gpu", "draft")
-    d = main_container(draft)
-    assert container_config("gpu", d).get("SPECD_NGRAM") or (
+    d = container("gpu", "draft")
+    assert config("gpu", "draft").get("SPECD_NGRAM") or (
         d["resources"]["limits"].get("nvidia.com/gpu") == 1 and "cuda" in d["image"]
-        and int(container_config("gpu", d)["SPECD_N_GPU_LAYERS"]) > 0 and draft["spec"]["strategy"]["type"] == "Recreate")
-    router = main_container(deployment("gpu", "router"))
+        and int(config("gpu", "draft")["SPECD_N_GPU_LAYERS"]) > 0)
+    router = container("gpu", "router")
     assert "nvidia.com/gpu" not in router["resources"]["limits"] and "cuda" not in router["image"]
+    # No spare GPUs for a surge cell: one cell at a time is replaced while the
+    # others serve (never Recreate: that would stop every cell at once).
+    assert cell("gpu")["spec"]["strategy"] == {"type": "RollingUpdate",
+                                               "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_pods_run_on_the_architecture_of_their_images(name):
-    for role in ("router", "target", "draft"):
-        pod = deployment(name, role)["spec"]["template"]["spec"]
-        assert pod.get("nodeSelector", {}).get("kubernetes.io/arch") == "amd64", f"{name}/{role}"
+    assert pod_spec(name).get("nodeSelector", {}).get("kubernetes.io/arch") == "amd64", name
 
 
-@pytest.mark.parametrize("name", ["base", "cpu", "cpu-pvc"])
+@pytest.mark.parametrize("name", ["base", "cpu", "cpu-pvc", "cpu-b"])
 def test_cpu_renderings_use_no_gpu(name):
-    for role in ("router", "target", "draft"):
-        dep = deployment(name, role)
-        for c in all_containers(dep):
-            assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
-            assert "cuda" not in c["image"]
-        if role in WORKERS:
-            assert int(container_config(name, main_container(dep))["SPECD_N_GPU_LAYERS"]) == 0
-        assert not dep["spec"]["template"]["spec"].get("tolerations")
+    for c in all_containers(name):
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        assert "cuda" not in c["image"]
+    for role in WORKERS:
+        assert int(config(name, role)["SPECD_N_GPU_LAYERS"]) == 0
+    assert not pod_spec(name).get("tolerations")
+    # CPU: a new cell loads before an old one stops
+    assert cell(name)["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
 # --------------------------------------------------------------------------
-# HPA, PDB, NetworkPolicy
+# scaling, disruption, isolation between installs
+
+
+def _pods_metric(hpa: dict, metric: str) -> dict | None:
+    for m in hpa["spec"].get("metrics", []):
+        if m["type"] == "Pods" and m["pods"]["metric"]["name"] == metric:
+            return m["pods"]["target"]
+    return None
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_hpa_and_pdbs(name):
-    hpa = objects(name, "HorizontalPodAutoscaler")["specd-router"]
+def test_hpa_scales_cells_on_the_routers_queue(name):
+    hpas = objects(name, "HorizontalPodAutoscaler")
+    assert list(hpas) == [f"specd-cell{sfx(name)}"]
+    hpa = next(iter(hpas.values()))
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specd-router"}
-    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
-    assert "replicas" not in deployment(name, "router")["spec"], "the HPA owns the router's replica count"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"specd-cell{sfx(name)}"}
+    # two cells at least: a drain, an eviction or a rollout never takes the last
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    assert "replicas" not in cell(name)["spec"], "the HPA owns the cell count"
+    queued = _pods_metric(hpa, QUEUED)
+    assert queued and queued["type"] == "AverageValue" and 0 < float(queued["averageValue"]), \
+        f"{name}: the HPA must scale on the Pods metric {QUEUED}"
+    # Only the routers' sessions gauges: CPU says nothing about busy-waiting workers.
+    for m in hpa["spec"]["metrics"]:
+        assert m["type"] == "Pods" and m["pods"]["metric"]["name"] in {QUEUED, RUNNING}, m
+    running = _pods_metric(hpa, RUNNING)
+    if running:
+        # a utilisation target below a cell's capacity (SPECD_N_SEQ sequences)
+        n_seq = int(config(name, "target")["SPECD_N_SEQ"])
+        assert 0 < float(running["averageValue"]) < n_seq, f"{name}: {RUNNING} target must be below SPECD_N_SEQ {n_seq}"
+    # scale down one cell at a time (each drains its streams and must reload
+    # two models to come back), after a stabilisation window
+    down = hpa["spec"]["behavior"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] >= 300
+    assert all(p["type"] == "Pods" and p["value"] == 1 for p in down["policies"])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_pdb_takes_one_cell_at_a_time(name):
     pdbs = objects(name, "PodDisruptionBudget")
-    for role in ("router", "target", "draft"):
-        pdb = pdbs[f"specd-{role}"]
-        labels = deployment(name, role)["spec"]["template"]["metadata"]["labels"]
-        assert _selector_matches(pdb["spec"]["selector"], labels), f"PDB specd-{role} selects nothing"
-        assert ("minAvailable" in pdb["spec"]) != ("maxUnavailable" in pdb["spec"])
+    assert list(pdbs) == [f"specd-cell{sfx(name)}"]
+    pdb = next(iter(pdbs.values()))["spec"]
+    assert _selector_matches(pdb["selector"], pod_labels(name)), "the PDB selects no cell"
+    assert pdb.get("maxUnavailable") == 1 and "minAvailable" not in pdb
+    assert pdb.get("unhealthyPodEvictionPolicy") == "AlwaysAllow"
+    # one at a time is only safe with more than one
+    hpa = next(iter(objects(name, "HorizontalPodAutoscaler").values()))
+    assert hpa["spec"]["minReplicas"] >= 2
+    # neither a rollout nor a drain ever takes every cell
+    ru = cell(name)["spec"]["strategy"].get("rollingUpdate", {})
+    assert cell(name)["spec"]["strategy"]["type"] == "RollingUpdate" and ru.get("maxUnavailable", 0) < hpa["spec"]["minReplicas"]
+
+
+def _selectors(name: str) -> list[tuple[str, dict]]:
+    """Every label selector of a rendering that picks pods, with where it is."""
+    out = []
+    dep = cell(name)
+    out.append(("Deployment", dep["spec"]["selector"]))
+    for t in dep["spec"]["template"]["spec"].get("topologySpreadConstraints", []):
+        out.append(("topologySpread", t["labelSelector"]))
+    for s in objects(name, "Service").values():
+        out.append((f"Service/{s['metadata']['name']}", {"matchLabels": s["spec"]["selector"]}))
+    for p in objects(name, "PodDisruptionBudget").values():
+        out.append((f"PDB/{p['metadata']['name']}", p["spec"]["selector"]))
+    for p in objects(name, "PodMonitor").values():
+        out.append((f"PodMonitor/{p['metadata']['name']}", p["spec"]["selector"]))
+    for p in objects(name, "NetworkPolicy").values():
+        if p["spec"]["podSelector"]:  # {} is the namespace-wide default deny
+            out.append((f"NetworkPolicy/{p['metadata']['name']}", p["spec"]["podSelector"]))
+    return out
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_selectors_carry_the_instance_label(name):
+    assert pod_labels(name).get(INSTANCE_LABEL) == instance(name)
+    for where, sel in _selectors(name):
+        assert sel.get("matchLabels", {}).get(INSTANCE_LABEL) == instance(name), \
+            f"{name}: {where} does not select by {INSTANCE_LABEL}={instance(name)}"
+        assert _selector_matches(sel, pod_labels(name)), f"{name}: {where} does not select the cells"
+
+
+def test_two_installs_in_one_namespace_do_not_select_each_other():
+    a, b = "cpu", "cpu-b"
+    assert instance(a) != instance(b)
+    for mine, other in ((a, b), (b, a)):
+        for where, sel in _selectors(mine):
+            assert not _selector_matches(sel, pod_labels(other)), f"{mine}'s {where} selects {other}'s cells"
+    # and nothing of one overwrites the other (the Namespace is only in the first)
+    names = lambda n: {(o["kind"], o["metadata"]["name"]) for o in render(n) if o["kind"] != "Namespace"}  # noqa: E731
+    assert not names(a) & names(b), f"objects of both installs: {sorted(names(a) & names(b))}"
+    assert not objects(b, "Namespace"), "the second install must not own (or delete) the namespace"
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_network_policy(name):
     pols = objects(name, "NetworkPolicy")
-    deny = pols["specd-default-deny-ingress"]["spec"]
+    deny = pols[f"specd-default-deny-ingress{sfx(name)}"]["spec"]
     assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and not deny.get("ingress")
-    router_labels = deployment(name, "router")["spec"]["template"]["metadata"]["labels"]
+    labels = pod_labels(name)
+    opened: dict[int, list] = {}
+    for pol in pols.values():
+        if not _selector_matches(pol["spec"]["podSelector"], labels):
+            continue
+        for rule in pol["spec"].get("ingress", []):
+            assert rule.get("ports"), f"{pol['metadata']['name']}: a rule without ports opens every port"
+            for p in rule["ports"]:
+                assert "endPort" not in p, "port ranges could open a worker port"
+                opened.setdefault(p["port"], []).append(rule.get("from"))
+    # The worker ports: no rule at all. Their router reaches them over the
+    # pod's loopback, which NetworkPolicies never filter.
     for role in WORKERS:
-        labels = deployment(name, role)["spec"]["template"]["metadata"]["labels"]
-        grpc_peers, metrics_peers = [], []
-        for pol in pols.values():
-            if not _selector_matches(pol["spec"]["podSelector"], labels):
-                continue
-            for rule in pol["spec"].get("ingress", []):
-                ports = {p["port"] for p in rule.get("ports", [])}
-                assert rule.get("ports"), f"{pol['metadata']['name']}: a rule without ports opens every port"
-                assert rule.get("from"), f"{pol['metadata']['name']}: a worker rule without `from` admits everyone"
-                if GRPC_PORTS[role] in ports:
-                    grpc_peers += rule["from"]
-                if METRICS_PORT in ports:
-                    metrics_peers += rule["from"]
-                assert ports <= set(GRPC_PORTS.values()) | {METRICS_PORT}
-        assert grpc_peers, f"{name}: nothing may reach the {role} gRPC port"
-        for peer in grpc_peers:
-            # Only the router: a pod selector in the policy's own namespace.
-            assert set(peer) == {"podSelector"}, f"{role} gRPC peer is not a same-namespace pod selector: {peer}"
-            assert _selector_matches(peer["podSelector"], router_labels)
-            for other in ("target", "draft"):
-                other_labels = deployment(name, other)["spec"]["template"]["metadata"]["labels"]
-                assert not _selector_matches(peer["podSelector"], other_labels), f"{other} may reach {role}'s gRPC port"
-        assert metrics_peers and all("namespaceSelector" in p for p in metrics_peers), \
-            f"{name}: Prometheus (another namespace) must reach the {role} metrics port"
+        assert GRPC_PORTS[role] not in opened, f"{name}: a NetworkPolicy admits the {role}'s gRPC port"
+    # The public API: router ports only.
+    assert {GRPC_PORTS["router"], ROUTER_HTTP_PORT} <= set(opened)
+    assert set(opened) <= {GRPC_PORTS["router"], ROUTER_HTTP_PORT} | set(METRICS_PORTS.values())
+    # Metrics: every container's port, only from Prometheus in another
+    # namespace, whose pod selector must not carry specd's instance label.
+    for role, port in METRICS_PORTS.items():
+        peers = opened.get(port)
+        assert peers and all(p for p in peers), f"{name}: Prometheus must reach the {role} metrics port, and only it"
+        for frm in peers:
+            for peer in frm:
+                assert "namespaceSelector" in peer, f"{name}: metrics peer outside the monitoring namespace: {peer}"
+                assert INSTANCE_LABEL not in peer.get("podSelector", {}).get("matchLabels", {}), \
+                    f"{name}: kustomize put {INSTANCE_LABEL} into the Prometheus peer selector"
+
+
+# --------------------------------------------------------------------------
+# autoscaling components: prometheus-adapter, KEDA
+
+
+def _adapter_rules_cover(rules: list[dict], metric: str) -> bool:
+    for r in rules:
+        res = r.get("resources", {}).get("overrides", {})
+        if (metric in r["seriesQuery"] and r.get("name", {}).get("as") == metric
+                and res.get("pod", {}).get("resource") == "pod" and res.get("namespace", {}).get("resource") == "namespace"
+                and "<<.Series>>" in r["metricsQuery"] and "<<.LabelMatchers>>" in r["metricsQuery"]
+                and "<<.GroupBy>>" in r["metricsQuery"]):
+            return True
+    return False
+
+
+def test_prometheus_adapter_component_serves_the_hpa_metrics():
+    cms = objects("cpu+adapter", "ConfigMap")
+    assert "specd-prometheus-adapter-rules" in cms, sorted(cms)
+    (rendered,) = load_yaml(cms["specd-prometheus-adapter-rules"]["data"]["config.yaml"])
+    component = K8S / "components" / "prometheus-adapter"
+    (values,) = load_yaml((component / "helm-values.yaml").read_text())
+    # the Helm values carry the same rules as the adapter's config file
+    assert values["rules"]["custom"] == rendered["rules"]
+    # every Pods metric the HPA asks for is served
+    hpa = next(iter(objects("cpu", "HorizontalPodAutoscaler").values()))
+    for m in hpa["spec"]["metrics"]:
+        name = m["pods"]["metric"]["name"]
+        assert _adapter_rules_cover(rendered["rules"], name), f"no adapter rule serves {name}"
+    # the adapter's rules are config, never a change to what else renders
+    assert {(o["kind"], o["metadata"]["name"]) for o in render("cpu+adapter")} - \
+        {(o["kind"], o["metadata"]["name"]) for o in render("cpu")} == {("ConfigMap", "specd-prometheus-adapter-rules")}
+
+
+def test_keda_component_replaces_the_hpa():
+    assert not objects("cpu+keda", "HorizontalPodAutoscaler"), "KEDA makes its own HPA; two would fight"
+    (so,) = objects("cpu+keda", "ScaledObject").values()
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    spec = so["spec"]
+    assert spec["scaleTargetRef"]["name"] == cell("cpu+keda")["metadata"]["name"]
+    hpa = next(iter(objects("cpu", "HorizontalPodAutoscaler").values()))["spec"]
+    assert spec["minReplicaCount"] == hpa["minReplicas"] >= 2 and spec["maxReplicaCount"] == hpa["maxReplicas"]
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["behavior"]
+    queries = {}
+    for t in spec["triggers"]:
+        assert t["type"] == "prometheus" and t.get("metricType", "AverageValue") == "AverageValue"
+        md = t["metadata"]
+        assert md["serverAddress"].startswith("http") and _promql_balanced(md["query"])
+        for metric in (QUEUED, RUNNING):
+            if metric in md["query"]:
+                queries[metric] = md
+                # the install's own cells only
+                assert 'namespace="specd"' in md["query"] and f'app_kubernetes_io_instance="{DEFAULT_INSTANCE}"' in md["query"]
+    # the same targets as the HPA it replaces
+    for metric in (QUEUED, RUNNING):
+        target = _pods_metric({"spec": hpa}, metric)
+        if target:
+            assert float(queries[metric]["threshold"]) == float(target["averageValue"]), metric
+    assert QUEUED in queries
 
 
 # --------------------------------------------------------------------------
@@ -767,6 +1043,11 @@ def _panels(dash: dict) -> list[dict]:
 
 def _exprs(panel: dict) -> list[str]:
     return [t["expr"] for t in panel.get("targets", [])]
+
+
+def _query_shape(expr: str) -> str:
+    """The query without its label matchers, every range window as [w]."""
+    return re.sub(r"\[[^\]]*\]", "[w]", re.sub(r"\{[^}]*\}", "", expr))
 
 
 def _panel(dash: dict, title: str) -> dict:
@@ -798,7 +1079,7 @@ def test_dashboard_panels():
     dash = _dashboard()
 
     acc = _panel(dash, "Acceptance rate")
-    assert _exprs(acc) == [ACCEPTANCE_RATE_EXPR]
+    assert [_query_shape(e) for e in _exprs(acc)] == [ACCEPTANCE_RATE_SHAPE], _exprs(acc)
 
     tput = next(p for p in _panels(dash) if "throughput" in p.get("title", "").lower())
     assert any("rate(specd_generation_tokens_total" in e for e in _exprs(tput))
