@@ -7,27 +7,14 @@ it evaluated to find the next one), and returns d0 .. dk-1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from specd.draft_worker.verified import VerifiedPrefix
-from specd.engine import ModelInfo, SeqState, Steps, WorkerEngine
+from specd.engine import MAX_DRAFT, Capabilities, ModelInfo, ProposeResult, Steps, WorkerEngine
 from specd.errors import InvalidArgument, SpecdError
 from specd.model_engine import ModelEngine
 from specd.sampling import Sampling, TokenDist, draft_token
-
-MAX_DRAFT = 64
-
-
-@dataclass
-class ProposeResult:
-    tokens: list[int]
-    state: SeqState
-    compute_seconds: float = 0.0
-    batch_tokens: int = 0  # of the last llama_decode, shared with other sequences
-    batch_seconds: float = 0.0
-    q: list[TokenDist] = field(default_factory=list)  # when sampled: the distribution of each token
 
 
 def check_propose_params(n_max: int, n_min: int, p_min: float) -> None:
@@ -68,6 +55,7 @@ class _ProposeMixin:
 class DraftModelEngine(_ProposeMixin, ModelEngine):
     """Greedy drafting with a small llama.cpp model (common_speculative_draft)."""
 
+    capabilities = Capabilities(proposes=True, vocabulary=True, chat_template=True)
     time_prompts = True
 
     def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
@@ -106,6 +94,7 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
     """Model-free drafting from the sequence's own token history."""
 
     kind = "ngram"
+    capabilities = Capabilities(proposes=True)
 
     def __init__(self, spec: str, n_seq: int, n_ctx_seq: int, cache_path: str | None = None, n_vocab: int = 0):
         """`n_vocab`: token ids must be below it (the target's vocabulary

@@ -1,7 +1,9 @@
 """Two transports to a worker, one interface for the router's loop.
 
-Every operation method is a coroutine that *issues* the operation and returns
-a future of its result (`fut = await w.seq_rm(...)`; `res = await fut`).
+Every operation method returns an `Op`, a call in two phases: send now,
+result later. `fut = await w.seq_rm(...).issue()` sends it and gives the
+future of its result, collected later (`res = await fut`);
+`res = await w.seq_rm(...).result()` sends it and waits.
 Operations run on the worker in the order they were issued, so the loop can
 issue a KV operation and the next decode without waiting in between
 (pipelining). Results are plain objects
@@ -16,20 +18,19 @@ from __future__ import annotations
 import asyncio
 import collections
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd import errors
-from specd.engine import CheckpointInfo, ModelInfo, SeqState
+from specd import codec, errors
+from specd.codec import error_for
+from specd.engine import ModelInfo
 from specd.sampling import Sampling
 from specd.security import KeyedChannel, api_key_metadata
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
-from specd.worker_service import INSTANCE_KEY, dist_from_pb, dist_pb
-
-_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+from specd.worker_service import INSTANCE_KEY
 
 
 @dataclass
@@ -38,69 +39,6 @@ class _InFlight:
 
     fut: asyncio.Future
     name: str
-
-
-@dataclass
-class VerifyOut:
-    tokens: list[int]
-    pieces: list[bytes]
-    state: SeqState
-    compute_seconds: float = 0.0
-    batch_tokens: int = 0
-    batch_seconds: float = 0.0
-
-
-@dataclass
-class ProposeOut:
-    tokens: list[int]
-    state: SeqState
-    compute_seconds: float = 0.0
-    batch_tokens: int = 0
-    batch_seconds: float = 0.0
-    q: list = field(default_factory=list)  # specd.sampling.TokenDist of each token, when sampled
-
-
-def error_for(code_name: str, message: str) -> errors.SpecdError:
-    cls = {c.code: c for c in errors.SpecdError.__subclasses__()}.get(code_name, errors.Internal)
-    return cls(message)
-
-
-def _state(s: pb.SeqState) -> SeqState:
-    return SeqState(s.seq_id, s.pos_min, s.pos_max, s.n_tokens, s.token_hash)
-
-
-def _model_info(i: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(
-        kind=i.kind, description=i.description, architecture=i.architecture, n_vocab=i.n_vocab,
-        vocab_fingerprint=i.vocab_fingerprint, n_ctx_seq=i.n_ctx_seq, n_seq=i.n_seq,
-        can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
-        eog_tokens=tuple(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
-        decode_costs=tuple((c.n_tokens, c.seconds) for c in i.decode_costs),
-        n_threads_batch=i.n_threads_batch or i.n_threads,
-        decode_costs_shared=tuple((c.n_tokens, c.seconds) for c in i.decode_costs_shared),
-        prompt_costs=tuple((c.n_tokens, c.seconds) for c in i.prompt_costs),
-        instance_id=i.instance_id,
-    )
-
-
-def _unwrap(res: pb.WorkerResult):
-    which = res.WhichOneof("result")
-    if which == "error":
-        raise error_for(_CODE_NAMES.get(res.error.code, "INTERNAL"), res.error.message)
-    if which == "state":
-        return _state(res.state)
-    if which == "checkpoint":
-        c = res.checkpoint
-        return CheckpointInfo(c.handle, c.seq_id, c.pos_min, c.pos_max, c.n_tokens, c.n_bytes)
-    if which == "verify":
-        v = res.verify
-        return VerifyOut(list(v.tokens), list(v.pieces), _state(v.state), v.compute_seconds, v.batch_tokens,
-                         v.batch_seconds)
-    if which == "propose":
-        p = res.propose
-        return ProposeOut(list(p.tokens), _state(p.state), p.compute_seconds, p.batch_tokens, p.batch_seconds,
-                          [dist_from_pb(d) for d in p.q])
-    return None
 
 
 def _stream_failure(exc: grpc.aio.AioRpcError, message: str) -> errors.SpecdError:
@@ -117,14 +55,28 @@ def _stream_failure(exc: grpc.aio.AioRpcError, message: str) -> errors.SpecdErro
     return errors.Unavailable(message)
 
 
-def _sampling_pb(s: Sampling) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=s.seed)
+class Op:
+    """One worker operation, not sent yet: a call in two phases. `issue()`
+    sends it (in order with the worker's other operations) and returns the
+    future of its result, to collect later; `result()` sends it and waits."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send):
+        self._send = send  # the coroutine that sends the operation and returns its future
+
+    async def issue(self) -> asyncio.Future:
+        return await self._send
+
+    async def result(self):
+        return await (await self._send)
 
 
 class _Ops:
-    """The operation methods, written once over `_send(op_name, **fields)`.
-    `computing`: decodes, verifications and proposals sent and not answered
-    yet (whether the worker is busy computing for the router)."""
+    """The operation methods, written once over `_send(op_name, **fields)`
+    (a coroutine that sends and returns the result's future); each returns
+    an `Op`. `computing`: decodes, verifications and proposals sent and not
+    answered yet (whether the worker is busy computing for the router)."""
 
     computing = 0
 
@@ -136,52 +88,47 @@ class _Ops:
         fut.add_done_callback(done)
         return fut
 
-    async def decode(self, seq_id: int, pos: int, tokens, draft_busy: bool = False):
-        return self._track(await self._send("decode", seq_id=seq_id, pos=pos, tokens=tokens, draft_busy=draft_busy))
+    async def _send_tracked(self, name: str, **fields) -> asyncio.Future:
+        return self._track(await self._send(name, **fields))
 
-    async def seq_rm(self, seq_id: int, p0: int, p1: int):
-        return await self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1)
+    def decode(self, seq_id: int, pos: int, tokens, draft_busy: bool = False) -> Op:
+        return Op(self._send_tracked("decode", seq_id=seq_id, pos=pos, tokens=tokens, draft_busy=draft_busy))
 
-    async def seq_add(self, seq_id: int, p0: int, p1: int, delta: int):
-        return await self._send("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta)
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> Op:
+        return Op(self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1))
 
-    async def checkpoint_save(self, seq_id: int):
-        return await self._send("checkpoint_save", seq_id=seq_id)
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> Op:
+        return Op(self._send("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta))
 
-    async def checkpoint_restore(self, handle: int, drop: bool = False):
-        return await self._send("checkpoint_restore", handle=handle, drop=drop)
+    def checkpoint_save(self, seq_id: int) -> Op:
+        return Op(self._send("checkpoint_save", seq_id=seq_id))
 
-    async def checkpoint_drop(self, handle: int):
-        return await self._send("checkpoint_drop", handle=handle)
+    def checkpoint_restore(self, handle: int, drop: bool = False) -> Op:
+        return Op(self._send("checkpoint_restore", handle=handle, drop=drop))
 
-    async def state(self, seq_id: int):
-        return await self._send("get_seq_state", seq_id=seq_id)
+    def checkpoint_drop(self, handle: int) -> Op:
+        return Op(self._send("checkpoint_drop", handle=handle))
 
-    async def clear(self, seq_id: int):
-        return await self._send("clear", seq_id=seq_id)
+    def state(self, seq_id: int) -> Op:
+        return Op(self._send("get_seq_state", seq_id=seq_id))
 
-    async def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-                     draft_busy: bool = False, draft_q=()):
-        """`draft_q`: the drafts' distributions (ProposeOut.q) for speculative sampling."""
-        return self._track(await self._send("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
-                                            sample_index=sample_index, trim=trim, draft_busy=draft_busy,
-                                            draft_q=list(draft_q)))
+    def clear(self, seq_id: int) -> Op:
+        return Op(self._send("clear", seq_id=seq_id))
 
-    async def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
-                      sampling: Sampling | None = None, sample_index: int = 0):
+    def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
+               draft_busy: bool = False, draft_q=()) -> Op:
+        """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative sampling."""
+        return Op(self._send_tracked("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
+                                     sample_index=sample_index, trim=trim, draft_busy=draft_busy,
+                                     draft_q=list(draft_q)))
+
+    def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
+                sampling: Sampling | None = None, sample_index: int = 0) -> Op:
         """`sampling`: sample the drafts (and return their q) for the request's
         token `sample_index` on; None: the draft's most likely tokens."""
         extra = {} if sampling is None else {"sampling": sampling, "sample_index": sample_index}
-        return self._track(await self._send("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
-                                            n_min=n_min, p_min=p_min, **extra))
-
-
-_REQUEST_TYPES = {
-    "decode": pb.DecodeRequest, "seq_rm": pb.SeqRmRequest, "seq_add": pb.SeqAddRequest,
-    "checkpoint_save": pb.CheckpointSaveRequest, "checkpoint_restore": pb.CheckpointRestoreRequest,
-    "checkpoint_drop": pb.CheckpointDropRequest, "get_seq_state": pb.GetSeqStateRequest,
-    "clear": pb.ClearRequest, "verify": pb.VerifyRequest, "propose": pb.ProposeRequest,
-}
+        return Op(self._send_tracked("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
+                                     n_min=n_min, p_min=p_min, **extra))
 
 
 class GrpcWorker(_Ops):
@@ -219,7 +166,7 @@ class GrpcWorker(_Ops):
 
     # ---------------------------------------------------------------- unary
     async def model_info(self) -> ModelInfo:
-        return _model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+        return codec.model_info_from_pb(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         r = await self._unary(self._stub.Tokenize, pb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special))
@@ -251,11 +198,7 @@ class GrpcWorker(_Ops):
                 self._reader = None  # the next operation opens a stream that says which process
 
     async def _send(self, name: str, **fields) -> asyncio.Future:
-        if "sampling" in fields:
-            fields["sampling"] = _sampling_pb(fields["sampling"])
-        if "draft_q" in fields:
-            fields["draft_q"] = [dist_pb(d) for d in fields["draft_q"]]
-        op = pb.WorkerOp(**{name: _REQUEST_TYPES[name](**fields)})
+        op = codec.op_pb(name, **fields)
         if self._reader is None or self._reader.done():
             self._open()
         fut = asyncio.get_running_loop().create_future()
@@ -337,7 +280,7 @@ class GrpcWorker(_Ops):
                 if fut.done():  # cancelled or expired
                     continue
                 try:
-                    fut.set_result(_unwrap(res))
+                    fut.set_result(codec.result_from_pb(res))
                 except errors.SpecdError as exc:
                     fut.set_exception(exc)
             failure: errors.SpecdError = errors.Unavailable(f"{self.name} worker at {self.address} closed the stream")
@@ -399,25 +342,9 @@ class LocalWorker(_Ops):
         return asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def _send(self, name: str, **f) -> asyncio.Future:
-        e = self.engine
         f.pop("draft_busy", None)  # one process: nothing to share cores with
-        if name == "verify":
-            def fn():
-                r = e.verify(f["seq_id"], f["pos"], f["tokens"], f["sampling"], f["sample_index"], f["trim"],
-                             f["draft_q"])
-                return VerifyOut(r.tokens, r.pieces, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds)
-        elif name == "propose":
-            def fn():
-                r = e.propose(f["seq_id"], f["pos"], f["tokens"], f["n_max"], f["n_min"], f["p_min"],
-                              f.get("sampling"), f.get("sample_index", 0))
-                return ProposeOut(r.tokens, r.state, r.compute_seconds, r.batch_tokens, r.batch_seconds, r.q)
-        else:
-            method = {"get_seq_state": "state"}.get(name, name)
-            args = list(f.values())
-
-            def fn():
-                return getattr(e, method)(*args)
-        return self._call(fn)
+        method = codec.engine_method(name)
+        return self._call(lambda: getattr(self.engine, method)(**f))
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -5,8 +5,9 @@ import asyncio
 import logging
 
 from specd.router.clients import GrpcWorker
-from specd.router.engine import Router, RouterSettings
-from specd.router.http import start_http
+from specd.router.engine import Router
+from specd.router.params import RouterSettings
+from specd.router.http_server import start_http
 from specd.router.limits import Limits
 from specd.router.service import RouterServicer
 from specd.config import RouterConfig

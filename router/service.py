@@ -3,54 +3,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 
-import grpc
-
+from specd import codec
 from specd.router.chat import chat_prompt, messages_of_pb
-from specd.router.engine import GenParams, Result, Router
+from specd.router.engine import Router
+from specd.router.params import GenParams, Result
 from specd.router.limits import Limits
 from specd.router.text import TextAssembler
 from specd.errors import InvalidArgument, SpecdError, Unavailable
-from specd.sampling import EXACT, REJECTION, Sampling
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
 from specd.v1 import worker_pb2 as wpb
-from specd.worker_service import model_info_pb
 
 log = logging.getLogger("specd.router")
-
-REASONS = {"eog": rpb.FINISH_REASON_EOG, "length": rpb.FINISH_REASON_LENGTH, "stop": rpb.FINISH_REASON_STOP}
-
-
-def _sampling(s: wpb.SamplingParams) -> Sampling:
-    seed = s.seed if s.HasField("seed") else secrets.randbits(63)
-    # proto3 zero means unset: top_p 0 -> 1.0 (off)
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p, seed=seed)
-
-
-def _acceptance(value: int) -> str | None:
-    """SpeculativeParams.acceptance as GenParams.acceptance."""
-    names = {rpb.ACCEPTANCE_UNSPECIFIED: None, rpb.ACCEPTANCE_EXACT: EXACT, rpb.ACCEPTANCE_REJECTION: REJECTION}
-    if value not in names:
-        raise InvalidArgument(f"speculative.acceptance: unknown value {value}")
-    return names[value]
-
-
-def finish_pb(res: Result) -> rpb.Finish:
-    return rpb.Finish(
-        reason=REASONS.get(res.reason, rpb.FINISH_REASON_UNSPECIFIED),
-        usage=rpb.Usage(prompt_tokens=res.n_prompt, generated_tokens=res.n_generated,
-                        drafted_tokens=res.n_drafted, accepted_tokens=res.n_accepted,
-                        steps=res.n_steps, context_shifts=res.n_shifts,
-                        cached_tokens=res.n_cached),
-        timing=rpb.Timing(prompt_seconds=res.prompt_seconds, generation_seconds=res.generation_seconds,
-                          draft_compute_seconds=res.draft_compute_seconds,
-                          verify_compute_seconds=res.verify_compute_seconds, steps_seconds=res.steps_seconds,
-                          critical_compute_seconds=res.critical_compute_seconds),
-        speculative=res.speculative,
-    )
 
 
 class RouterServicer(rpb_grpc.RouterServicer):
@@ -86,13 +52,13 @@ class RouterServicer(rpb_grpc.RouterServicer):
         return GenParams(
             prompt=tokens,
             max_tokens=r.max_tokens if r.HasField("max_tokens") else None,
-            sampling=_sampling(r.sampling),
+            sampling=codec.sampling_from_pb(r.sampling, random_seed=True),
             speculative=spec.enabled if spec.HasField("enabled") else None,
             n_max=spec.n_max if spec.HasField("n_max") else None,
             n_min=spec.n_min if spec.HasField("n_min") else None,
             p_min=spec.p_min if spec.HasField("p_min") else None,
             adaptive=spec.adaptive if spec.HasField("adaptive") else None,
-            acceptance=_acceptance(spec.acceptance),
+            acceptance=codec.acceptance_from_pb(spec.acceptance),
             context_shift=r.context_shift,
             n_keep=r.n_keep,
         )
@@ -102,10 +68,9 @@ class RouterServicer(rpb_grpc.RouterServicer):
             async with contextlib.aclosing(self.generate(request, "grpc")) as stream:
                 async for msg in stream:
                     yield msg
-        except SpecdError as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
-        except Exception as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a SpecdError with its code, anything else INTERNAL
+            err = codec.as_error(exc)
+            await context.abort(codec.status_code(err), err.message)
 
     async def generate(self, request: rpb.GenerateRequest, protocol: str):
         """Generate without its transport: GenerateResponse messages, failures
@@ -146,7 +111,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
                     if text.stopped:
                         res.reason, res.n_generated = "stop", n_streamed
                         break
-            yield rpb.GenerateResponse(text=text.flush(), finish=finish_pb(res))
+            yield rpb.GenerateResponse(text=text.flush(), finish=codec.finish_pb(res))
         except SpecdError as exc:
             outcome = exc.code.lower()
             raise
@@ -168,18 +133,18 @@ class RouterServicer(rpb_grpc.RouterServicer):
             self.limits.check_prompt_text("text", [request.text], self.router.n_ctx)
             tokens = await self.router.target.tokenize(request.text, request.add_special, request.parse_special)
         except SpecdError as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            await context.abort(codec.status_code(exc), exc.message)
         return wpb.TokenizeResponse(tokens=tokens)
 
     async def GetInfo(self, request, context):
         try:
             self._check_ready()
         except SpecdError as exc:
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            await context.abort(codec.status_code(exc), exc.message)
         r, s = self.router, self.router.settings
-        info = rpb.RouterInfo(target=model_info_pb(r.target_info), default_n_max=s.n_max, default_p_min=s.p_min,
+        info = rpb.RouterInfo(target=codec.model_info_pb(r.target_info), default_n_max=s.n_max, default_p_min=s.p_min,
                               checkpoint_mode=r.checkpoint_mode, check_alignment=s.check_alignment,
                               draft_up=r.draft_up)
         if r.draft_info is not None:
-            info.draft.CopyFrom(model_info_pb(r.draft_info))
+            info.draft.CopyFrom(codec.model_info_pb(r.draft_info))
         return info

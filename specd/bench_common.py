@@ -108,7 +108,7 @@ def draft_length(args) -> int:
     """The draft length of the modes that run one (load, protocols,
     temperatures, llama-server): the first of --draft-lengths if given,
     else what `specd router` uses by default."""
-    from specd.router.engine import RouterSettings  # the router's whole engine: not at CLI start
+    from specd.router.params import RouterSettings  # the router's whole engine: not at CLI start
 
     return int(args.draft_lengths.split(",")[0]) if args.draft_lengths else RouterSettings.n_max
 

@@ -60,7 +60,8 @@ class InProcess:
 
     async def _run(self, prompts, max_tokens, n_draft) -> list[Run]:
         from specd.router.clients import LocalWorker  # the router's engine: not at CLI start
-        from specd.router.engine import GenParams, Result, Router, RouterSettings
+        from specd.router.engine import Router
+        from specd.router.params import GenParams, Result, RouterSettings
 
         t, d = LocalWorker(self.target, "target"), LocalWorker(self.draft, "draft")
         router = Router(t, d, RouterSettings())

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generator
 
 import numpy as np
 
 from specd.errors import (FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange, ResourceExhausted,
                           SpecdError)
+from specd.sampling import TokenDist
 from specd.tokens import SeqTokens, range_mask
 
 
@@ -30,6 +31,22 @@ INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 # An operation written as a generator: it yields the decodes it needs as
 # (seq_id, pos, tokens, n_logits), receives their logits, returns its result.
 Steps = Generator[tuple, Any, Any]
+
+# The most drafts one Propose returns (ProposeRequest.n_max), and so the most
+# one step of the router verifies.
+MAX_DRAFT = 64
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine serves beyond the KV operations every engine has. The
+    gRPC layer reads it to answer UNIMPLEMENTED for the rest; each flag names
+    methods the engine then has."""
+
+    verifies: bool = False  # verify, verify_steps (TargetWorker.Verify)
+    proposes: bool = False  # propose, propose_steps (DraftWorker.Propose)
+    vocabulary: bool = False  # tokenize, detokenize (Worker.Tokenize, Detokenize)
+    chat_template: bool = False  # apply_chat_template (Worker.ApplyChatTemplate)
 
 
 @dataclass
@@ -79,6 +96,30 @@ class CheckpointInfo:
 
 
 @dataclass
+class VerifyResult:
+    """What a verification returns (VerifyResponse)."""
+
+    tokens: list[int]  # accepted drafts + the target's next token
+    pieces: list[bytes]
+    state: SeqState
+    compute_seconds: float = 0.0
+    batch_tokens: int = 0  # of the llama_decode shared with other sequences
+    batch_seconds: float = 0.0
+
+
+@dataclass
+class ProposeResult:
+    """What a proposal returns (ProposeResponse)."""
+
+    tokens: list[int]
+    state: SeqState
+    compute_seconds: float = 0.0
+    batch_tokens: int = 0  # of the last llama_decode, shared with other sequences
+    batch_seconds: float = 0.0
+    q: list[TokenDist] = field(default_factory=list)  # when sampled: the distribution of each token
+
+
+@dataclass
 class _Checkpoint:
     info: CheckpointInfo
     tokens: SeqTokens
@@ -96,6 +137,7 @@ class WorkerEngine:
     """Bookkeeping and validation common to every worker."""
 
     kind = "base"
+    capabilities = Capabilities()
 
     def __init__(self, n_seq: int, n_ctx_seq: int, n_vocab: int, max_checkpoint_bytes: int = 1 << 30):
         self.n_seq = n_seq

@@ -7,8 +7,8 @@ from typing import NoReturn
 
 import numpy as np
 
-from specd.router.adaptive import COST_CHECK
-from specd.engine import ModelInfo, Steps, WorkerEngine
+from specd.router.costs import COST_CHECK
+from specd.engine import Capabilities, ModelInfo, Steps, WorkerEngine
 from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
 from specd.llama import DecodeError, LlamaConfig, LlamaModel
 
@@ -27,6 +27,7 @@ CALIBRATION_RETRY_SECONDS = 6.0
 
 class ModelEngine(WorkerEngine):
     kind = "model"
+    capabilities = Capabilities(vocabulary=True, chat_template=True)
     # time prompts too (`prompt_costs`): the router prices a draft's catch-up
     # on them; a target's prompts it never prices, and every start pays it
     time_prompts = False

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import grpc
 
-from specd.engine import CheckpointInfo, ModelInfo, SeqState
-from specd.errors import SpecdError, Unimplemented
-from specd.sampling import Sampling, TokenDist, dist_of
-from specd.scheduler import EngineRunner, QueueBounds, Scheduler, Window, op_key
+from specd import codec
+from specd.engine import Steps
+from specd.errors import InvalidArgument, SpecdError, Unimplemented
+from specd.scheduler import BATCHABLE, EngineRunner, QueueBounds, Scheduler, Window, op_key
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
 
@@ -25,126 +25,47 @@ log = logging.getLogger("specd.worker")
 # Execute metadata: the instance the caller attached to (worker.proto)
 INSTANCE_KEY = "specd-instance-id"
 
-
-# ------------------------------------------------------------------ converters
-def state_pb(s: SeqState) -> pb.SeqState:
-    return pb.SeqState(seq_id=s.seq_id, pos_min=s.pos_min, pos_max=s.pos_max, n_tokens=s.n_tokens, token_hash=s.token_hash)
-
-
-def checkpoint_pb(c: CheckpointInfo) -> pb.Checkpoint:
-    return pb.Checkpoint(handle=c.handle, seq_id=c.seq_id, pos_min=c.pos_min, pos_max=c.pos_max, n_tokens=c.n_tokens, n_bytes=c.n_bytes)
-
-
-def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        kind=i.kind, description=i.description, architecture=i.architecture, n_vocab=i.n_vocab,
-        vocab_fingerprint=i.vocab_fingerprint, n_ctx_seq=i.n_ctx_seq, n_seq=i.n_seq,
-        can_rm_partial=i.can_rm_partial, can_shift=i.can_shift, n_swa=i.n_swa,
-        eog_tokens=list(i.eog_tokens), add_bos=i.add_bos, n_threads=i.n_threads, model_path=i.model_path,
-        decode_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs],
-        n_threads_batch=i.n_threads_batch or i.n_threads,
-        decode_costs_shared=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.decode_costs_shared],
-        prompt_costs=[pb.DecodeCost(n_tokens=n, seconds=t) for n, t in i.prompt_costs],
-        instance_id=i.instance_id,
-    )
-
-
-def sampling_from_pb(s: pb.SamplingParams) -> Sampling:
-    # proto3 defaults: top_p 0 means "unset" = 1.0 (disabled)
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p, seed=s.seed)
-
-
-def dist_pb(d: TokenDist) -> pb.TokenDistribution:
-    return pb.TokenDistribution(ids=d.ids.tolist(), probs=d.probs.tolist())
-
-
-def dist_from_pb(d: pb.TokenDistribution) -> TokenDist:
-    return dist_of(d.ids, d.probs)
-
-
-def propose_sampling(r: pb.ProposeRequest) -> tuple[Sampling | None, int]:
-    """(sampling, sample_index) of a Propose: None when the draft should not sample."""
-    return (sampling_from_pb(r.sampling) if r.HasField("sampling") else None), r.sample_index
+# what a worker without the engine's capability answers (UNIMPLEMENTED)
+NOT_TARGET = "Verify is served by the target worker only"
+NOT_DRAFT = "Propose is served by the draft worker only"
+NO_VOCABULARY = "this worker has no vocabulary"
+NO_TEMPLATE = "this worker has no model, hence no chat template"
 
 
 # ------------------------------------------------------------------ operations
-def _decode(e, r: pb.DecodeRequest) -> pb.SeqState:
-    e.share_cores(r.draft_busy)
-    return state_pb(e.decode(r.seq_id, r.pos, r.tokens))
+# Every operation, from Execute or from its unary RPC, runs through `_call`
+# (or, batched with others, `_steps`) and is answered through the codec:
+# Execute's WorkerResult wraps the unary RPC's response (codec.result_pb).
+def _steps(kind: str, e, r) -> Steps:
+    """A batchable operation (decode, verify, propose) as engine steps (see
+    WorkerEngine.run_batch)."""
+    if kind == "verify" and not e.capabilities.verifies:
+        raise Unimplemented(NOT_TARGET)
+    if kind == "propose" and not e.capabilities.proposes:
+        raise Unimplemented(NOT_DRAFT)
+    return getattr(e, f"{kind}_steps")(**codec.args_from_pb(kind, r))
 
 
-def _verify(e, r: pb.VerifyRequest) -> pb.VerifyResponse:
-    if not hasattr(e, "verify"):
-        raise Unimplemented("Verify is served by the target worker only")
-    e.share_cores(r.draft_busy)
-    res = e.verify(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim,
-                   [dist_from_pb(d) for d in r.draft_q])
-    return pb.VerifyResponse(tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state),
-                             compute_seconds=res.compute_seconds)
+def _draft_busy(r) -> bool:
+    return getattr(r, "draft_busy", False)
 
 
-def _propose(e, r: pb.ProposeRequest) -> pb.ProposeResponse:
-    if not hasattr(e, "propose"):
-        raise Unimplemented("Propose is served by the draft worker only")
-    res = e.propose(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min, *propose_sampling(r))
-    return pb.ProposeResponse(tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds,
-                              q=[dist_pb(d) for d in res.q])
+def _call(kind: str, e, r):
+    """One operation on its own: the engine's plain result. A batchable one
+    is a batch of one."""
+    if kind in BATCHABLE:
+        steps = _steps(kind, e, r)
+        e.share_cores(_draft_busy(r))
+        return e.run_one(steps)
+    return getattr(e, codec.engine_method(kind))(**codec.args_from_pb(kind, r))
 
 
-def _clear(e, r):
-    e.clear(r.seq_id)
-    return pb.ClearResponse()
+def _unary_op(kind: str) -> Callable[[Any, Any], Any]:
+    """The engine call of an operation's unary RPC, answering its response message."""
+    return lambda e, r: codec.response_pb(kind, _call(kind, e, r))
 
 
-def _drop(e, r):
-    e.checkpoint_drop(r.handle)
-    return pb.CheckpointDropResponse()
-
-
-# name of the WorkerOp oneof field -> (engine call, WorkerResult field)
-OPS: dict[str, tuple[Callable[[Any, Any], Any], str]] = {
-    "decode": (_decode, "state"),
-    "seq_rm": (lambda e, r: state_pb(e.seq_rm(r.seq_id, r.p0, r.p1)), "state"),
-    "seq_add": (lambda e, r: state_pb(e.seq_add(r.seq_id, r.p0, r.p1, r.delta)), "state"),
-    "seq_cp": (lambda e, r: state_pb(e.seq_cp(r.seq_id_src, r.seq_id_dst, r.p0, r.p1)), "state"),
-    "checkpoint_save": (lambda e, r: checkpoint_pb(e.checkpoint_save(r.seq_id)), "checkpoint"),
-    "checkpoint_restore": (lambda e, r: state_pb(e.checkpoint_restore(r.handle, r.drop)), "state"),
-    "checkpoint_drop": (_drop, "done"),
-    "get_seq_state": (lambda e, r: state_pb(e.state(r.seq_id)), "state"),
-    "clear": (_clear, "done"),
-    "verify": (_verify, "verify"),
-    "propose": (_propose, "propose"),
-}
-
-
-def _steps(kind: str, e, r):
-    """The batchable operations as engine steps (see WorkerEngine.run_batch)."""
-    if kind == "decode":
-        return e.decode_steps(r.seq_id, r.pos, r.tokens)
-    if kind == "verify":
-        if not hasattr(e, "verify_steps"):
-            raise Unimplemented("Verify is served by the target worker only")
-        return e.verify_steps(r.seq_id, r.pos, r.tokens, sampling_from_pb(r.sampling), r.sample_index, r.trim,
-                              [dist_from_pb(d) for d in r.draft_q])
-    if not hasattr(e, "propose_steps"):
-        raise Unimplemented("Propose is served by the draft worker only")
-    return e.propose_steps(r.seq_id, r.pos, r.tokens, r.n_max, r.n_min, r.p_min, *propose_sampling(r))
-
-
-def _result_pb(kind: str, res) -> pb.WorkerResult:
-    if kind == "verify":
-        return pb.WorkerResult(verify=pb.VerifyResponse(
-            tokens=res.tokens, pieces=res.pieces, state=state_pb(res.state), compute_seconds=res.compute_seconds,
-            batch_tokens=res.batch_tokens, batch_seconds=res.batch_seconds))
-    if kind == "propose":
-        return pb.WorkerResult(propose=pb.ProposeResponse(
-            tokens=res.tokens, state=state_pb(res.state), compute_seconds=res.compute_seconds,
-            batch_tokens=res.batch_tokens, batch_seconds=res.batch_seconds, q=[dist_pb(d) for d in res.q]))
-    return pb.WorkerResult(state=state_pb(res))
-
-
-def _error_pb(kind: str | None, exc: SpecdError) -> pb.WorkerResult:
-    return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=f"{kind}: {exc.message}"))
+UNARY = {kind: _unary_op(kind) for kind in codec.OPS}
 
 
 def run_round(engine, window: Window) -> list[pb.WorkerResult]:
@@ -159,13 +80,13 @@ def run_round(engine, window: Window) -> list[pb.WorkerResult]:
             steps.append(_steps(kind, engine, getattr(op, kind)))
             slots.append(None)
         except SpecdError as exc:
-            slots.append(_error_pb(kind, exc))
-    engine.share_cores(any(getattr(getattr(op, kind), "draft_busy", False) for kind, op in zip(kinds, window.batch)))
+            slots.append(codec.error_result_pb(exc, kind))
+    engine.share_cores(any(_draft_busy(getattr(op, kind)) for kind, op in zip(kinds, window.batch)))
     results = iter(engine.run_batch(steps))
     for kind, slot in zip(kinds, slots):
         if slot is None:
             res = next(results)
-            slot = _error_pb(kind, res) if isinstance(res, SpecdError) else _result_pb(kind, res)
+            slot = codec.error_result_pb(res, kind) if isinstance(res, SpecdError) else codec.result_pb(kind, res)
         out.append(slot)
     return out
 
@@ -178,7 +99,7 @@ def _op_key(op: pb.WorkerOp):
 def op_tokens(op: pb.WorkerOp) -> int:
     """Tokens an operation decodes (0 for pure KV bookkeeping)."""
     which = op.WhichOneof("op")
-    if which in ("decode", "verify", "propose"):
+    if which in BATCHABLE:
         return len(getattr(op, which).tokens)
     return 0
 
@@ -187,27 +108,25 @@ async def _unary(runner: EngineRunner, fn, request, context: grpc.aio.ServicerCo
     try:
         return await (runner.run_beside(fn, request) if beside else runner.run(fn, request))
     except SpecdError as exc:
-        await context.abort(grpc.StatusCode[exc.code], exc.message)
+        await context.abort(codec.status_code(exc), exc.message)
     except Exception as exc:  # a bug must not take the worker down
         log.exception("engine call failed")
-        await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        err = codec.as_error(exc)
+        await context.abort(codec.status_code(err), err.message)
 
 
 def _execute_one(engine, op: pb.WorkerOp) -> pb.WorkerResult:
     which = op.WhichOneof("op")
     if which is None:
-        return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="op: no operation set"))
-    fn, field = OPS[which]
+        return codec.error_result_pb(InvalidArgument("no operation set"), "op")
     try:
-        out = fn(engine, getattr(op, which))
+        res = _call(which, engine, getattr(op, which))
     except SpecdError as exc:
-        return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=f"{which}: {exc.message}"))
+        return codec.error_result_pb(exc, which)
     except Exception as exc:
         log.exception("engine call %s failed", which)
-        return pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode.INTERNAL.value[0], message=f"{which}: {type(exc).__name__}: {exc}"))
-    if field == "done":
-        return pb.WorkerResult(done=True)
-    return pb.WorkerResult(**{field: out})
+        return codec.error_result_pb(codec.as_error(exc), which)
+    return codec.result_pb(which, res)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -219,57 +138,57 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.instance_id = uuid.uuid4().hex
 
     async def GetModelInfo(self, request, context):
-        info = await _unary(self.runner, lambda e, r: model_info_pb(e.info()), request, context)
+        info = await _unary(self.runner, lambda e, r: codec.model_info_pb(e.info()), request, context)
         info.instance_id = self.instance_id
         return info
 
     async def Decode(self, request, context):
-        return await _unary(self.runner, OPS["decode"][0], request, context)
+        return await _unary(self.runner, UNARY["decode"], request, context)
 
     async def SeqRm(self, request, context):
-        return await _unary(self.runner, OPS["seq_rm"][0], request, context)
+        return await _unary(self.runner, UNARY["seq_rm"], request, context)
 
     async def SeqAdd(self, request, context):
-        return await _unary(self.runner, OPS["seq_add"][0], request, context)
+        return await _unary(self.runner, UNARY["seq_add"], request, context)
 
     async def SeqCp(self, request, context):
-        return await _unary(self.runner, OPS["seq_cp"][0], request, context)
+        return await _unary(self.runner, UNARY["seq_cp"], request, context)
 
     async def CheckpointSave(self, request, context):
-        return await _unary(self.runner, OPS["checkpoint_save"][0], request, context)
+        return await _unary(self.runner, UNARY["checkpoint_save"], request, context)
 
     async def CheckpointRestore(self, request, context):
-        return await _unary(self.runner, OPS["checkpoint_restore"][0], request, context)
+        return await _unary(self.runner, UNARY["checkpoint_restore"], request, context)
 
     async def CheckpointDrop(self, request, context):
-        return await _unary(self.runner, _drop, request, context)
+        return await _unary(self.runner, UNARY["checkpoint_drop"], request, context)
 
     async def GetSeqState(self, request, context):
-        return await _unary(self.runner, OPS["get_seq_state"][0], request, context)
+        return await _unary(self.runner, UNARY["get_seq_state"], request, context)
 
     async def Clear(self, request, context):
-        return await _unary(self.runner, _clear, request, context)
+        return await _unary(self.runner, UNARY["clear"], request, context)
 
     async def Tokenize(self, request, context):
         def fn(e, r):
-            if not hasattr(e, "tokenize"):
-                raise Unimplemented("this worker has no vocabulary")
+            if not e.capabilities.vocabulary:
+                raise Unimplemented(NO_VOCABULARY)
             return pb.TokenizeResponse(tokens=e.tokenize(r.text, r.add_special, r.parse_special))
 
         return await _unary(self.runner, fn, request, context, beside=True)
 
     async def Detokenize(self, request, context):
         def fn(e, r):
-            if not hasattr(e, "detokenize"):
-                raise Unimplemented("this worker has no vocabulary")
+            if not e.capabilities.vocabulary:
+                raise Unimplemented(NO_VOCABULARY)
             return pb.DetokenizeResponse(text=e.detokenize(r.tokens))
 
         return await _unary(self.runner, fn, request, context, beside=True)
 
     async def ApplyChatTemplate(self, request, context):
         def fn(e, r):
-            if not hasattr(e, "apply_chat_template"):
-                raise Unimplemented("this worker has no model, hence no chat template")
+            if not e.capabilities.chat_template:
+                raise Unimplemented(NO_TEMPLATE)
             text = e.apply_chat_template([(m.role, m.content) for m in r.messages], r.add_generation_prompt)
             # as llama-server tokenizes a rendered chat: BOS as the model asks, special tokens parsed
             return pb.ApplyChatTemplateResponse(text=text, tokens=e.tokenize(text, True, True))
@@ -297,11 +216,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 try:
                     res = await fut
                 except SpecdError as exc:
-                    res = pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode[exc.code].value[0], message=exc.message))
+                    res = codec.error_result_pb(exc)
                 except Exception as exc:
                     log.exception("operation failed")
-                    res = pb.WorkerResult(error=pb.OpError(code=grpc.StatusCode.INTERNAL.value[0],
-                                                           message=f"{type(exc).__name__}: {exc}"))
+                    res = codec.error_result_pb(codec.as_error(exc))
                 await context.write(res)
 
         writer = asyncio.get_running_loop().create_task(write_results())
@@ -344,7 +262,7 @@ class TargetServicer(pb_grpc.TargetWorkerServicer):
         self.runner = runner
 
     async def Verify(self, request, context):
-        return await _unary(self.runner, _verify, request, context)
+        return await _unary(self.runner, UNARY["verify"], request, context)
 
 
 class DraftServicer(pb_grpc.DraftWorkerServicer):
@@ -352,7 +270,7 @@ class DraftServicer(pb_grpc.DraftWorkerServicer):
         self.runner = runner
 
     async def Propose(self, request, context):
-        return await _unary(self.runner, _propose, request, context)
+        return await _unary(self.runner, UNARY["propose"], request, context)
 
 
 async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:

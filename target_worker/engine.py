@@ -3,25 +3,16 @@ accept drafts while they match what the target samples."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from specd.engine import SeqState, Steps
+from specd.engine import Capabilities, Steps, VerifyResult
 from specd.errors import FailedPrecondition, InvalidArgument
 from specd.model_engine import ModelEngine
 from specd.sampling import Sampling, accept, check_draft_q
 
 
-@dataclass
-class VerifyResult:
-    tokens: list[int]  # accepted drafts + the target's next token
-    pieces: list[bytes]
-    state: SeqState
-    compute_seconds: float = 0.0
-    batch_tokens: int = 0  # of the llama_decode shared with other sequences
-    batch_seconds: float = 0.0
-
-
 class TargetEngine(ModelEngine):
+    capabilities = Capabilities(verifies=True, vocabulary=True, chat_template=True)
+
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
                draft_q=()) -> VerifyResult:
         return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim, draft_q))

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from specd.router.adaptive import (Acceptance, Controller, CostCurve, RecentPeak, Trials, choose_draft_length,
-                             expected_tokens, round_seconds)
+from specd.router.adaptive import Acceptance, Controller, choose_draft_length, expected_tokens, round_seconds
+from specd.router.costs import CostCurve
+from specd.router.load import RecentPeak, Trials
 from specd.scheduler import op_key, take_window
 
 
@@ -346,7 +347,7 @@ def test_pool_hands_out_the_lowest_free_id():
     # with a KV stream per sequence, llama.cpp batches only consecutive ids in one pass
     import asyncio
 
-    from specd.router.engine import SeqPool
+    from specd.router.pool import SeqPool
 
     async def main():
         pool = SeqPool(4, max_queue=0)

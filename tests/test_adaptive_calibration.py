@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specd.router.adaptive import COST_CHECK, CostCurve
+from specd.router.costs import COST_CHECK, CostCurve
 
 # what a target logged while the draft calibrated on the same cores: 2 tokens
 # five times dearer than one (and, clamped upwards, every bigger batch too)

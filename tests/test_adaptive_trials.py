@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from specd.router.adaptive import Controller, CostCurve, Trials, round_seconds
+from specd.router.adaptive import Controller, round_seconds
+from specd.router.costs import CostCurve
+from specd.router.load import Trials
 
 MS_TARGET = [(1, 19.6), (2, 22.9), (4, 26.9), (8, 40.5), (16, 50.2), (32, 79.0), (64, 127.6)]
 MS_DRAFT = [(1, 7.6), (2, 13.7), (4, 23.7), (8, 42.2), (16, 80.4), (32, 159.4), (64, 320.0)]

@@ -12,7 +12,8 @@ import pytest
 
 from specd.draft_worker.engine import DraftModelEngine
 from specd.router.clients import GrpcWorker
-from specd.router.engine import GenParams, Result, Router, RouterSettings
+from specd.router.engine import Router
+from specd.router.params import GenParams, Result, RouterSettings
 from specd.errors import ResourceExhausted
 from specd.llama import DecodeError, LlamaConfig
 from specd.v1 import worker_pb2 as pb

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from specd.router.engine import GenParams, Router
+from specd.router.engine import Router
+from specd.router.params import GenParams
 from specd.router.limits import Limits
 from specd.config import PROMPT_BYTES_PER_TOKEN
 from specd.errors import InvalidArgument

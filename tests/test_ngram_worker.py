@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from specd.router.engine import check_vocab
+from specd.router.compat import check_vocab
 from specd.engine import ModelInfo
 from specd.errors import FailedPrecondition
 from specd.launcher import Cluster, ClusterSpec, Proc, ProcessDied

@@ -13,7 +13,8 @@ import pytest
 
 from specd.draft_worker.engine import DraftModelEngine
 from specd.router.clients import LocalWorker
-from specd.router.engine import GenParams, Result, Router, RouterSettings
+from specd.router.engine import Router
+from specd.router.params import GenParams, Result, RouterSettings
 from specd.errors import Unavailable
 from specd.llama import LlamaConfig
 from specd.target_worker.engine import TargetEngine
@@ -118,7 +119,7 @@ def test_the_context_is_the_smallest_of_every_worker_the_draft_included(engines,
 
 
 def test_a_pool_shrunk_under_running_sessions_never_hands_out_the_ids_it_lost():
-    from specd.router.engine import SeqPool
+    from specd.router.pool import SeqPool
 
     async def main():
         pool = SeqPool(4, max_queue=4)

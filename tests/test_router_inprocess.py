@@ -9,7 +9,8 @@ import pytest
 
 from specd.draft_worker.engine import DraftModelEngine
 from specd.router.clients import LocalWorker
-from specd.router.engine import GenParams, Result, Router, RouterSettings
+from specd.router.engine import Router
+from specd.router.params import GenParams, Result, RouterSettings
 from specd.llama import LlamaConfig
 from specd.sampling import Sampling
 from specd.target_worker.engine import TargetEngine

@@ -265,7 +265,8 @@ def test_router_rejection_sampling_end_to_end(models):
     overlapped drafts carry their q."""
     from specd.draft_worker.engine import DraftModelEngine
     from specd.router.clients import LocalWorker
-    from specd.router.engine import GenParams, Result, Router, RouterSettings
+    from specd.router.engine import Router
+    from specd.router.params import GenParams, Result, RouterSettings
     from specd.llama import LlamaConfig
     from specd.target_worker.engine import TargetEngine
 

@@ -16,7 +16,7 @@ from specd.llama import LlamaConfig
 from specd.tokens import history_hash
 from specd.v1 import worker_pb2 as pb
 from specd.v1 import worker_pb2_grpc as pb_grpc
-from specd.draft_worker.engine import DraftModelEngine
+from specd.draft_worker.engine import DraftModelEngine, NgramEngine
 from specd.target_worker.engine import TargetEngine
 
 N_SEQ = 3
@@ -296,25 +296,84 @@ def test_worker_survives_a_burst_of_garbage(target):
     assert w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=[1])).n_tokens == 1
 
 
-def test_draft_worker_proposes_and_keeps_contract(models, tmp_path):
-    proc, address = start_worker("draft", models["draft"], tmp_path)
-    try:
-        wait_serving(address)
-        with grpc.insecure_channel(address) as ch:
-            d = pb_grpc.DraftWorkerStub(ch)
-            w = pb_grpc.WorkerStub(ch)
-            prompt = [19556, 28, 957, 1462, 314]
-            r = d.Propose(pb.ProposeRequest(seq_id=0, pos=0, tokens=prompt, n_max=4))
-            assert len(r.tokens) == 4
-            # holds the tail and d0..d2: the last draft is not evaluated
-            assert r.state.token_hash == history_hash(prompt + list(r.tokens[:3]))
-            code, msg = code_of(d.Propose, pb.ProposeRequest(seq_id=0, pos=8, tokens=[1], n_max=0))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "n_max" in msg
-            code, _ = code_of(pb_grpc.TargetWorkerStub(ch).Verify, pb.VerifyRequest(seq_id=0, pos=8, tokens=[1]))
-            assert code == grpc.StatusCode.UNIMPLEMENTED
-            assert w.GetModelInfo(pb.GetModelInfoRequest()).kind == "model"
-    finally:
-        assert proc.stop() == 0  # SIGTERM: graceful, exit code 0
+@pytest.fixture(scope="module")
+def draft(models, tmp_path_factory):
+    proc, address = start_worker("draft", models["draft"], tmp_path_factory.mktemp("draft"))
+    wait_serving(address)
+    ch = grpc.insecure_channel(address)
+    yield pb_grpc.WorkerStub(ch), pb_grpc.DraftWorkerStub(ch), ch
+    ch.close()
+    assert proc.stop() == 0  # SIGTERM: graceful, exit code 0
+
+
+def test_draft_worker_proposes_and_keeps_contract(draft):
+    w, d, ch = draft
+    w.Clear(pb.ClearRequest(seq_id=-1))
+    prompt = [19556, 28, 957, 1462, 314]
+    r = d.Propose(pb.ProposeRequest(seq_id=0, pos=0, tokens=prompt, n_max=4))
+    assert len(r.tokens) == 4
+    # holds the tail and d0..d2: the last draft is not evaluated
+    assert r.state.token_hash == history_hash(prompt + list(r.tokens[:3]))
+    code, msg = code_of(d.Propose, pb.ProposeRequest(seq_id=0, pos=8, tokens=[1], n_max=0))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "n_max" in msg
+    code, _ = code_of(pb_grpc.TargetWorkerStub(ch).Verify, pb.VerifyRequest(seq_id=0, pos=8, tokens=[1]))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert w.GetModelInfo(pb.GetModelInfoRequest()).kind == "model"
+
+
+def _populated(msg) -> set[str]:
+    return {f.name for f, _ in msg.ListFields()}
+
+
+def _unary_and_execute(w, unary, kind: str, request, prompt: list[int]):
+    """The answer of the unary RPC and of Execute to `request`, each on a
+    sequence 0 holding `prompt`."""
+    answers = []
+    for call in (lambda: unary(request, timeout=30),
+                 lambda: list(w.Execute(iter([pb.WorkerOp(**{kind: request})]), timeout=30))[0]):
+        w.Clear(pb.ClearRequest(seq_id=0))
+        w.Decode(pb.DecodeRequest(seq_id=0, pos=0, tokens=prompt))
+        answers.append(call())
+    one, res = answers
+    assert res.WhichOneof("result") == kind, res
+    return one, getattr(res, kind)
+
+
+def test_unary_verify_answers_as_execute(target):
+    """Verify and an Execute verify are one path: the same input gets the same
+    answer, batch_tokens and batch_seconds included (timings may differ)."""
+    w, t = target[0], target[1]
+    prompt = [19556, 28, 957, 1462, 314]
+    request = pb.VerifyRequest(seq_id=0, pos=4, tokens=[prompt[-1], 11, 12], trim=True, draft_busy=True,
+                               sampling=pb.SamplingParams(temperature=0.8, seed=5))
+    one, streamed = _unary_and_execute(w, t.Verify, "verify", request, prompt[:-1])
+    assert {"tokens", "pieces", "state", "compute_seconds", "batch_tokens", "batch_seconds"} <= _populated(one)
+    assert _populated(one) == _populated(streamed)
+    assert (one.tokens, one.pieces, one.state) == (streamed.tokens, streamed.pieces, streamed.state)
+    assert one.batch_tokens == streamed.batch_tokens == 3
+
+
+def test_unary_propose_answers_as_execute(draft):
+    w, d, _ = draft
+    prompt = [19556, 28, 957, 1462, 314]
+    request = pb.ProposeRequest(seq_id=0, pos=4, tokens=[prompt[-1]], n_max=3,
+                                sampling=pb.SamplingParams(temperature=1.0, seed=7), sample_index=2)
+    one, streamed = _unary_and_execute(w, d.Propose, "propose", request, prompt[:-1])
+    assert {"tokens", "state", "compute_seconds", "batch_tokens", "batch_seconds", "q"} <= _populated(one)
+    assert _populated(one) == _populated(streamed)
+    assert (one.tokens, one.state, one.q) == (streamed.tokens, streamed.state, streamed.q)
+    assert one.batch_tokens == streamed.batch_tokens == 1  # the last draft's decode
+
+
+@pytest.mark.parametrize("cls", [TargetEngine, DraftModelEngine, NgramEngine])
+def test_engines_declare_what_they_serve(cls):
+    """The servicer answers UNIMPLEMENTED by an engine's declared capabilities:
+    each must match the methods the engine has."""
+    caps = cls.capabilities
+    assert caps.verifies == hasattr(cls, "verify_steps") == hasattr(cls, "verify")
+    assert caps.proposes == hasattr(cls, "propose_steps") == hasattr(cls, "propose")
+    assert caps.vocabulary == hasattr(cls, "tokenize") == hasattr(cls, "detokenize")
+    assert caps.chat_template == hasattr(cls, "apply_chat_template")
 
 
 @pytest.mark.parametrize("flag,value", [("--threads", "0"), ("--threads-batch", "-1"), ("--threads", "two")])
