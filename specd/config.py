@@ -8,6 +8,11 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from specd.router.params import RouterSettings
+
+# The router's defaults are RouterSettings' (router/params.py); the config
+# fields and the flags below read them from there.
+_ROUTER = RouterSettings()
 
 # Limits against unbounded work from one request or caller, each defined here
 # once (the config fields, the flags and the objects enforcing them read these).
@@ -123,17 +128,17 @@ class WorkerConfig(ServerConfig):
 class RouterConfig(ServerConfig):
     target: str = ""
     draft: str = ""
-    n_max: int = 4
-    n_min: int = 0
-    p_min: float = 0.0
-    checkpoint_mode: bool = False
-    check_alignment: bool = False
-    overlap: bool = True
-    adaptive: bool = True
-    prompt_cache: bool = True
-    max_queue: int = 64
+    n_max: int = _ROUTER.n_max
+    n_min: int = _ROUTER.n_min
+    p_min: float = _ROUTER.p_min
+    checkpoint_mode: bool = _ROUTER.checkpoint_mode
+    check_alignment: bool = _ROUTER.check_alignment
+    overlap: bool = _ROUTER.overlap
+    adaptive: bool = _ROUTER.adaptive
+    prompt_cache: bool = _ROUTER.prompt_cache
+    max_queue: int = _ROUTER.max_queue
     worker_timeout: float = 60.0
-    draft_wait: float = 60.0
+    draft_wait: float = _ROUTER.draft_wait
     # mTLS towards the workers (paths)
     worker_tls_cert: str = ""
     worker_tls_key: str = ""
@@ -203,17 +208,18 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--target", str, "", "target worker HOST:PORT; a comma list of several spreads sessions over them "
                                 "and moves a session whose target dies to another")
     add(p, "--draft", str, "", "draft worker HOST:PORT (none: target-only)")
-    add(p, "--n-max", int, 4, "default draft tokens per step")
-    add(p, "--n-min", int, 0, "default minimum draft tokens worth verifying")
-    add(p, "--p-min", float, 0.0, "default draft probability below which drafting stops")
-    add(p, "--checkpoint-mode", bool, False, "use checkpoints instead of partial KV removal (forced)")
-    add(p, "--check-alignment", bool, False, "compare both workers' sequences with the history after every step")
-    add(p, "--overlap", bool, True, "draft the next step while the target verifies this one")
-    add(p, "--prompt-cache", bool, True, "keep finished sessions' KV for prompts that share their prefix")
-    add(p, "--adaptive", bool, True, "choose each step's draft length (up to n_max, down to 0) from acceptance and load")
-    add(p, "--max-queue", int, 64, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
-    add(p, "--worker-timeout", float, 60.0, "deadline of one worker call in seconds")
-    add(p, "--draft-wait", float, 60.0, "at start, seconds to wait for a loading draft before serving target-only")
+    r = _ROUTER
+    add(p, "--n-max", int, r.n_max, "default draft tokens per step")
+    add(p, "--n-min", int, r.n_min, "default minimum draft tokens worth verifying")
+    add(p, "--p-min", float, r.p_min, "default draft probability below which drafting stops")
+    add(p, "--checkpoint-mode", bool, r.checkpoint_mode, "use checkpoints instead of partial KV removal (forced)")
+    add(p, "--check-alignment", bool, r.check_alignment, "compare both workers' sequences with the history after every step")
+    add(p, "--overlap", bool, r.overlap, "draft the next step while the target verifies this one")
+    add(p, "--prompt-cache", bool, r.prompt_cache, "keep finished sessions' KV for prompts that share their prefix")
+    add(p, "--adaptive", bool, r.adaptive, "choose each step's draft length (up to n_max, down to 0) from acceptance and load")
+    add(p, "--max-queue", int, r.max_queue, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
+    add(p, "--worker-timeout", float, RouterConfig.worker_timeout, "deadline of one worker call in seconds")
+    add(p, "--draft-wait", float, r.draft_wait, "at start, seconds to wait for a loading draft before serving target-only")
     add(p, "--worker-tls-cert", str, "", "PEM client certificate presented to the workers (mTLS)")
     add(p, "--worker-tls-key", str, "", "PEM private key of --worker-tls-cert")
     add(p, "--worker-tls-ca", str, "", "PEM CA file the workers' certificates are verified against "
