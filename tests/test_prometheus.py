@@ -1,5 +1,6 @@
-"""A real Prometheus server (Debian package `prometheus`) scrapes a live router;
-the dashboard's acceptance-rate PromQL evaluates to a number in [0, 1]."""
+"""A real Prometheus server (Debian package `prometheus`) scrapes a live
+router and its workers; every query of the Grafana dashboard evaluates there
+to numbers in their range."""
 from __future__ import annotations
 
 import json
@@ -16,11 +17,20 @@ from specd.launcher import free_port
 DASHBOARD = pathlib.Path(__file__).parent.parent / "deploy" / "grafana" / "specd-dashboard.json"
 
 
-def panel_expr(title: str) -> str:
+# what Grafana substitutes: all namespaces (the series of this test have no
+# namespace label, which ".*" matches), a rate window of a few scrapes
+VARIABLES = {"$namespace": ".*", "$__rate_interval": "10s"}
+
+
+def panel_exprs() -> dict[str, list[str]]:
+    out = {}
     for p in json.loads(DASHBOARD.read_text())["panels"]:
-        if p.get("title") == title:
-            return p["targets"][0]["expr"]
-    raise AssertionError(f"no panel {title!r} in the dashboard")
+        exprs = [t["expr"] for t in p.get("targets", [])]
+        for var, value in VARIABLES.items():
+            exprs = [e.replace(var, value) for e in exprs]
+        if exprs:
+            out[p["title"]] = exprs
+    return out
 
 
 def query(port: int, expr: str) -> list:
@@ -39,7 +49,8 @@ def test_dashboard_acceptance_rate_on_live_prometheus(cluster_factory, tmp_path)
     cfg.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
-        f"  - job_name: specd-router\n    static_configs: [{{targets: ['127.0.0.1:{c.metrics_ports['router']}']}}]\n"
+        + "".join(f"  - job_name: specd-{role}\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+                  for role, port in c.metrics_ports.items())
     )
     log = open(tmp_path / "prometheus.log", "wb")
     prom = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -48,7 +59,7 @@ def test_dashboard_acceptance_rate_on_live_prometheus(cluster_factory, tmp_path)
         deadline = time.monotonic() + 60
         while True:
             try:
-                if query(prom_port, "up") and query(prom_port, "up")[0]["value"][1] == "1":
+                if len([u for u in query(prom_port, "up") if u["value"][1] == "1"]) == len(c.metrics_ports):
                     break
             except OSError:
                 pass
@@ -59,14 +70,23 @@ def test_dashboard_acceptance_rate_on_live_prometheus(cluster_factory, tmp_path)
                 r = client.generate("1, 2, 3, 4, 5,", max_tokens=24, n_draft=4)
                 assert r.n_drafted > 0
                 time.sleep(1.5)
-        expr = panel_expr("Acceptance rate")
+        exprs = panel_exprs()
         deadline = time.monotonic() + 30
-        while not (result := query(prom_port, expr)):
-            assert time.monotonic() < deadline, f"{expr} stayed empty"
+        while not query(prom_port, exprs["Acceptance rate"][0]):
+            assert time.monotonic() < deadline, "the acceptance rate stayed empty"
             time.sleep(1)
-        value = float(result[0]["value"][1])
-        assert 0.0 <= value <= 1.0, value
-        assert value > 0.3  # the default pair shares its weights: most drafts are accepted
+        values = {}
+        for title, panel in exprs.items():
+            for expr in panel:
+                result = query(prom_port, expr)  # a query Prometheus refuses fails here
+                assert result, f"{title}: {expr} is empty"
+                values.setdefault(title, []).append([float(r["value"][1]) for r in result])
+        (acceptance,), = values["Acceptance rate"]
+        assert 0.3 < acceptance <= 1.0  # the default pair shares its weights: most drafts are accepted
+        by_position, = values["Acceptance by position"]
+        assert all(0.0 <= v <= 1.0 for v in by_position), by_position
+        (per_step,), (draft_len,) = values["Tokens per target step"]
+        assert 1.0 <= per_step <= 5.0 and 1.0 <= draft_len <= 4.0, (per_step, draft_len)
     finally:
         prom.terminate()
         prom.wait(30)
