@@ -13,12 +13,10 @@ ROLES = ("system", "user", "assistant")
 
 
 class FieldError(InvalidArgument):
-    """A request field that cannot be used; `param` names it (as OpenAI's
-    error.param)."""
+    """A request field that cannot be used, named first in the message."""
 
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}", field=field)
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,3 @@ async def chat_prompt(router, messages: list[ChatMessage]) -> list[int]:
     path of both APIs."""
     check_messages(messages)
     return await router.target.apply_chat_template(messages)
-
-
-def messages_of_pb(msgs) -> list[ChatMessage]:
-    """From a specd.v1.ChatMessages."""
-    return [ChatMessage(m.role, m.content) for m in msgs.messages]

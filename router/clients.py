@@ -28,8 +28,8 @@ from specd.codec import error_for
 from specd.engine import ModelInfo
 from specd.sampling import Sampling
 from specd.security import KeyedChannel, api_key_metadata
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 from specd.worker_service import INSTANCE_KEY
 
 

@@ -105,31 +105,30 @@ class Router:
     def validate(self, p: GenParams) -> None:
         n_vocab = self.target_info.n_vocab
         if not p.prompt:
-            raise InvalidArgument("prompt must not be empty")
+            raise InvalidArgument("prompt must not be empty", field="prompt")
         if len(p.prompt) > self.n_ctx:
-            raise InvalidArgument(f"prompt has {len(p.prompt)} tokens; the context of a sequence holds {self.n_ctx}")
+            raise InvalidArgument(f"prompt has {len(p.prompt)} tokens; the context of a sequence holds {self.n_ctx}", field="prompt")
         # the length is bounded now; min and max run in C, the loop only names a bad id
         if min(p.prompt) < 0 or max(p.prompt) >= n_vocab:
             i, t = next((i, t) for i, t in enumerate(p.prompt) if not 0 <= t < n_vocab)
-            raise InvalidArgument(f"prompt_tokens[{i}] = {t} is not in [0, n_vocab = {n_vocab})")
+            raise InvalidArgument(f"prompt_tokens[{i}] = {t} is not in [0, n_vocab = {n_vocab})", field=f"prompt_tokens[{i}]")
         if p.max_tokens is not None:
             if p.max_tokens <= 0:
-                raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}")
+                raise InvalidArgument(f"max_tokens must be >= 1, got {p.max_tokens}", field="max_tokens")
             if not self._can_shift(p) and len(p.prompt) + p.max_tokens > self.n_ctx:
                 raise InvalidArgument(
                     f"max_tokens = {p.max_tokens} with a prompt of {len(p.prompt)} tokens exceeds the context "
-                    f"of a sequence ({self.n_ctx}); lower max_tokens or set context_shift"
-                )
+                    f"of a sequence ({self.n_ctx}); lower max_tokens or set context_shift", field="max_tokens")
         p.sampling.validate("sampling")
         if p.n_max is not None and not 1 <= p.n_max <= MAX_DRAFT:
-            raise InvalidArgument(f"speculative.n_max must be in [1, {MAX_DRAFT}], got {p.n_max}")
+            raise InvalidArgument(f"speculative.n_max must be in [1, {MAX_DRAFT}], got {p.n_max}", field="speculative.n_max")
         n_max = self.n_max(p)
         if p.n_min is not None and not 0 <= p.n_min <= n_max:
-            raise InvalidArgument(f"speculative.n_min must be in [0, n_max = {n_max}], got {p.n_min}")
+            raise InvalidArgument(f"speculative.n_min must be in [0, n_max = {n_max}], got {p.n_min}", field="speculative.n_min")
         if p.p_min is not None and not 0.0 <= p.p_min <= 1.0:
-            raise InvalidArgument(f"speculative.p_min must be in [0, 1], got {p.p_min}")
+            raise InvalidArgument(f"speculative.p_min must be in [0, 1], got {p.p_min}", field="speculative.p_min")
         if p.n_keep < 0 or p.n_keep >= self.n_ctx // 2:
-            raise InvalidArgument(f"n_keep must be in [0, {self.n_ctx // 2}), got {p.n_keep}")
+            raise InvalidArgument(f"n_keep must be in [0, {self.n_ctx // 2}), got {p.n_keep}", field="n_keep")
 
     def _can_shift(self, p: GenParams) -> bool:
         return p.context_shift and not self.checkpoint_mode and self.target_info.can_shift and (

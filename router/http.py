@@ -65,7 +65,7 @@ class HttpError(Exception):
 
     @classmethod
     def of(cls, exc: SpecdError) -> "HttpError":
-        return cls(STATUS.get(exc.code, 500), exc.message, getattr(exc, "param", None), exc.code.lower())
+        return cls(STATUS.get(exc.code, 500), exc.message, getattr(exc, "field", "") or None, exc.code.lower())
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),

@@ -57,11 +57,11 @@ class Limits:
         """Refuse too many or too long stop strings (InvalidArgument naming `stop`)."""
         if len(stops) > self.max_stop_strings:
             raise InvalidArgument(f"stop: {len(stops)} stop strings, more than max_stop_strings = "
-                                  f"{self.max_stop_strings}")
+                                  f"{self.max_stop_strings}", field="stop")
         for i, s in enumerate(stops):
             if len(s) > self.max_stop_length:
                 raise InvalidArgument(f"stop[{i}] has {len(s)} characters, more than max_stop_length = "
-                                      f"{self.max_stop_length}")
+                                      f"{self.max_stop_length}", field=f"stop[{i}]")
 
     def prompt_bytes(self, n_ctx: int) -> int:
         """The largest prompt text in bytes, for a router whose sequences hold `n_ctx` tokens."""
@@ -74,14 +74,14 @@ class Limits:
         for t in texts:
             n_bytes += len(t.encode("utf-8", "surrogatepass"))  # JSON may carry lone surrogates
             if n_bytes > cap:
-                raise InvalidArgument(f"{name}: more than max_prompt_bytes = {cap} bytes of text")
+                raise InvalidArgument(f"{name}: more than max_prompt_bytes = {cap} bytes of text", field=name)
 
     def apply(self, p, router) -> None:
         """Check `p` (router.engine.GenParams) against the limits; cap an unset
         max_tokens. Raises InvalidArgument naming the limit."""
         if self.max_prompt_tokens and len(p.prompt) > self.max_prompt_tokens:
             raise InvalidArgument(f"prompt has {len(p.prompt)} tokens, more than max_prompt_tokens = "
-                                  f"{self.max_prompt_tokens}")
+                                  f"{self.max_prompt_tokens}", field="prompt")
         cap = self.max_tokens_limit
         if not cap:
             return
@@ -92,7 +92,7 @@ class Limits:
             if router._can_shift(p) or len(p.prompt) + cap <= router.n_ctx:
                 p.max_tokens = cap
         elif p.max_tokens > cap:
-            raise InvalidArgument(f"max_tokens = {p.max_tokens} is more than max_tokens_limit = {cap}")
+            raise InvalidArgument(f"max_tokens = {p.max_tokens} is more than max_tokens_limit = {cap}", field="max_tokens")
 
     def deadline(self) -> float | None:
         """The loop time by which a Generate starting now must end."""

@@ -24,7 +24,6 @@ from typing import Any
 
 from specd.router.chat import ChatMessage, FieldError, check_messages
 from specd.v1 import router_pb2 as rpb
-from specd.v1 import worker_pb2 as wpb
 
 # OpenAI's default temperature: a client written against OpenAI that sends
 # none expects sampling (send 0 for greedy decoding)
@@ -135,8 +134,8 @@ def _set_prompt(req: rpb.GenerateRequest, value: Any) -> None:
         raise FieldError("prompt", "must be a string, an array of token ids, or an array of one of them")
 
 
-def _sampling(body: dict) -> wpb.SamplingParams:
-    s = wpb.SamplingParams(temperature=_typed(body, "temperature", float, DEFAULT_TEMPERATURE))
+def _sampling(body: dict) -> rpb.SamplingParams:
+    s = rpb.SamplingParams(temperature=_typed(body, "temperature", float, DEFAULT_TEMPERATURE))
     top_p = _typed(body, "top_p", float)
     if top_p is not None:
         if not 0.0 < top_p <= 1.0:  # proto3 reads 0 as unset
@@ -191,7 +190,7 @@ def parse_request(body: Any, kind: str) -> ApiRequest:
     if kind == CHAT:
         if "messages" not in body:
             raise FieldError("messages", "is required")
-        req.messages.messages.extend(wpb.ChatMessage(role=m.role, content=m.content)
+        req.messages.messages.extend(rpb.ChatMessage(role=m.role, content=m.content)
                                      for m in parse_messages(body["messages"]))
     else:
         if "prompt" not in body:

@@ -7,6 +7,10 @@ import asyncio
 
 from specd.errors import ResourceExhausted
 
+# The retry a full queue suggests (google.rpc.RetryInfo): sessions end every
+# few seconds under load, so a second later a place has usually opened.
+QUEUE_FULL_RETRY_SECONDS = 1.0
+
 
 class SeqPool:
     """Sequence ids shared by both workers; bounded wait queue.
@@ -75,7 +79,8 @@ class SeqPool:
             self.in_use.add(seq)
             return seq
         if len(self.waiters) >= self.max_queue:
-            raise ResourceExhausted(f"all sequences are busy and the queue is full (max_queue = {self.max_queue})")
+            raise ResourceExhausted(f"all sequences are busy and the queue is full (max_queue = {self.max_queue})",
+                                    retry_after=QUEUE_FULL_RETRY_SECONDS)
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
         try:

@@ -5,8 +5,10 @@ import contextlib
 import logging
 import time
 
+import grpc
+
 from specd import codec
-from specd.router.chat import chat_prompt, messages_of_pb
+from specd.router.chat import chat_prompt
 from specd.router.engine import Router
 from specd.router.params import GenParams, Result
 from specd.router.limits import Limits
@@ -14,9 +16,14 @@ from specd.router.text import TextAssembler
 from specd.errors import InvalidArgument, SpecdError, Unavailable
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
 
 log = logging.getLogger("specd.router")
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: SpecdError) -> None:
+    """End the call with the error's rich status (codec.rich_status)."""
+    status = codec.rich_status(exc)
+    await context.abort(status.code, status.details, status.trailing_metadata)
 
 
 class RouterServicer(rpb_grpc.RouterServicer):
@@ -33,21 +40,21 @@ class RouterServicer(rpb_grpc.RouterServicer):
     async def _params(self, r: rpb.GenerateRequest) -> GenParams:
         which = r.WhichOneof("input")
         if which is None:
-            raise InvalidArgument("prompt: set `prompt` (text), `prompt_tokens` or `messages`")
+            raise InvalidArgument("prompt: set `prompt` (text), `prompt_tokens` or `messages`", field="prompt")
         self.limits.check_stops(r.stop)
         if which == "prompt":
             if not r.prompt:
-                raise InvalidArgument("prompt must not be empty")
+                raise InvalidArgument("prompt must not be empty", field="prompt")
             self.limits.check_prompt_text("prompt", [r.prompt], self.router.n_ctx)
             add_special = r.add_special if r.HasField("add_special") else True
             tokens = await self.router.target.tokenize(r.prompt, add_special, True)
         elif which == "messages":
             self.limits.check_prompt_text("messages", (m.content for m in r.messages.messages), self.router.n_ctx)
-            tokens = await chat_prompt(self.router, messages_of_pb(r.messages))
+            tokens = await chat_prompt(self.router, codec.messages_from_pb(r.messages))
         else:
             tokens = list(r.prompt_tokens.ids)
             if not tokens:
-                raise InvalidArgument("prompt_tokens must not be empty")
+                raise InvalidArgument("prompt_tokens must not be empty", field="prompt_tokens")
         spec = r.speculative
         return GenParams(
             prompt=tokens,
@@ -69,8 +76,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
                 async for msg in stream:
                     yield msg
         except Exception as exc:  # a SpecdError with its code, anything else INTERNAL
-            err = codec.as_error(exc)
-            await context.abort(codec.status_code(err), err.message)
+            await abort(context, codec.as_error(exc))
 
     async def generate(self, request: rpb.GenerateRequest, protocol: str):
         """Generate without its transport: GenerateResponse messages, failures
@@ -133,18 +139,18 @@ class RouterServicer(rpb_grpc.RouterServicer):
             self.limits.check_prompt_text("text", [request.text], self.router.n_ctx)
             tokens = await self.router.target.tokenize(request.text, request.add_special, request.parse_special)
         except SpecdError as exc:
-            await context.abort(codec.status_code(exc), exc.message)
-        return wpb.TokenizeResponse(tokens=tokens)
+            await abort(context, exc)
+        return rpb.TokenizeResponse(tokens=tokens)
 
     async def GetInfo(self, request, context):
         try:
             self._check_ready()
         except SpecdError as exc:
-            await context.abort(codec.status_code(exc), exc.message)
+            await abort(context, exc)
         r, s = self.router, self.router.settings
-        info = rpb.RouterInfo(target=codec.model_info_pb(r.target_info), default_n_max=s.n_max, default_p_min=s.p_min,
+        info = rpb.GetInfoResponse(target=codec.public_model_info_pb(r.target_info), default_n_max=s.n_max, default_p_min=s.p_min,
                               checkpoint_mode=r.checkpoint_mode, check_alignment=s.check_alignment,
                               draft_up=r.draft_up)
         if r.draft_info is not None:
-            info.draft.CopyFrom(codec.model_info_pb(r.draft_info))
+            info.draft.CopyFrom(codec.public_model_info_pb(r.draft_info))
         return info

@@ -157,12 +157,12 @@ class Contender:
 
 def specd_generate(address: str, temperature: float = 0.0, **kwargs) -> Callable[[list[int], int], Answer]:
     from specd.client import RouterClient  # gRPC and the protos: not at CLI start
-    from specd.v1 import worker_pb2 as wpb
+    from specd.v1 import router_pb2 as rpb
 
     client = RouterClient(address, timeout=1800)
 
     def generate(ids: list[int], max_tokens: int) -> Answer:
-        sampling = wpb.SamplingParams(temperature=temperature, seed=request_seed(ids),
+        sampling = rpb.SamplingParams(temperature=temperature, seed=request_seed(ids),
                                       **(SAMPLED_FILTERS if temperature > 0 else {}))
         return Answer(client.generate(ids, max_tokens=max_tokens, sampling=sampling, **kwargs).tokens)
 

@@ -11,7 +11,6 @@ import grpc
 from specd.security import api_key_metadata
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
 
 REASON_NAMES = {rpb.FINISH_REASON_EOG: "eog", rpb.FINISH_REASON_LENGTH: "length", rpb.FINISH_REASON_STOP: "stop"}
 
@@ -68,7 +67,7 @@ def make_request(prompt: str | list[int] | list[dict], max_tokens: int | None = 
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and isinstance(prompt[0], dict):
-        req.messages.messages.extend(wpb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        req.messages.messages.extend(rpb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         req.prompt_tokens.ids.extend(prompt)
     if max_tokens is not None:
@@ -136,11 +135,11 @@ class RouterClient:
         return collect(stream, on_text)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        r = self.stub.Tokenize(wpb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special),
+        r = self.stub.Tokenize(rpb.TokenizeRequest(text=text, add_special=add_special, parse_special=parse_special),
                                timeout=self.timeout, metadata=self.metadata)
         return list(r.tokens)
 
-    def info(self) -> rpb.RouterInfo:
+    def info(self) -> rpb.GetInfoResponse:
         return self.stub.GetInfo(rpb.GetInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:

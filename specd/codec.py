@@ -23,12 +23,16 @@ import secrets
 from typing import Any
 
 import grpc
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from specd import errors
 from specd.engine import CheckpointInfo, ModelInfo, ProposeResult, SeqState, VerifyResult
+from specd.router.chat import ChatMessage
 from specd.sampling import EXACT, REJECTION, Sampling, TokenDist, dist_of
 from specd.v1 import router_pb2 as rpb
-from specd.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2 as pb
 
 # ---------------------------------------------------------------- status codes
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -63,6 +67,21 @@ def error_from_pb(e: pb.OpError) -> errors.SpecdError:
     return error_for(_CODE_NAMES.get(e.code, "INTERNAL"), e.message)
 
 
+def rich_status(exc: errors.SpecdError) -> grpc.Status:
+    """The error in gRPC's standard error model (router.proto): a
+    google.rpc.Status with a BadRequest naming the wrong field, or a RetryInfo
+    saying when a retry may succeed, so a client in any language reads them."""
+    status = status_pb2.Status(code=status_code(exc).value[0], message=exc.message)
+    if getattr(exc, "field", ""):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.message)
+        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    if getattr(exc, "retry_after", 0.0) > 0:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(exc.retry_after * 1e9))
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return rpc_status.to_status(status)
+
+
 # ------------------------------------------------------------- engine types
 def state_pb(s: SeqState) -> pb.SeqState:
     return pb.SeqState(seq_id=s.seq_id, pos_min=s.pos_min, pos_max=s.pos_max, n_tokens=s.n_tokens, token_hash=s.token_hash)
@@ -92,6 +111,19 @@ def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
         **{f: [pb.DecodeCost(n_tokens=n, seconds=t) for n, t in getattr(i, f)] for f in _INFO_COSTS},
         eog_tokens=list(i.eog_tokens), n_threads_batch=i.n_threads_batch or i.n_threads,
     )
+
+
+# what the public API says of a model (specd.v1.ModelInfo): not the workers'
+# timings nor their process ids
+_PUBLIC_INFO_FIELDS = tuple(f for f in _INFO_FIELDS if f != "instance_id")
+
+
+def messages_from_pb(msgs: rpb.ChatMessages) -> list[ChatMessage]:
+    return [ChatMessage(m.role, m.content) for m in msgs.messages]
+
+
+def public_model_info_pb(i: ModelInfo) -> rpb.ModelInfo:
+    return rpb.ModelInfo(**{f: getattr(i, f) for f in _PUBLIC_INFO_FIELDS}, eog_tokens=list(i.eog_tokens))
 
 
 def model_info_from_pb(i: pb.ModelInfo) -> ModelInfo:
@@ -245,7 +277,7 @@ _ACCEPTANCE = {rpb.ACCEPTANCE_UNSPECIFIED: None, rpb.ACCEPTANCE_EXACT: EXACT, rp
 def acceptance_from_pb(value: int) -> str | None:
     """SpeculativeParams.acceptance as GenParams.acceptance."""
     if value not in _ACCEPTANCE:
-        raise errors.InvalidArgument(f"speculative.acceptance: unknown value {value}")
+        raise errors.InvalidArgument(f"speculative.acceptance: unknown value {value}", field="speculative.acceptance")
     return _ACCEPTANCE[value]
 
 

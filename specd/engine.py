@@ -189,13 +189,13 @@ class WorkerEngine:
     # -------------------------------------------------------------- validation
     def _check_seq(self, seq_id: int, name: str = "seq_id") -> SeqTokens:
         if not 0 <= seq_id < self.n_seq:
-            raise InvalidArgument(f"{name} must be in [0, {self.n_seq}), got {seq_id}")
+            raise InvalidArgument(f"{name} must be in [0, {self.n_seq}), got {seq_id}", field=name)
         return self.seqs[seq_id]
 
     def _check_tokens(self, tokens, name: str = "tokens", allow_empty: bool = False) -> np.ndarray:
         toks = np.asarray(tokens, dtype=np.int64)
         if len(toks) == 0 and not allow_empty:
-            raise InvalidArgument(f"{name} must not be empty")
+            raise InvalidArgument(f"{name} must not be empty", field=name)
         if len(toks):
             # no vocabulary (a model-free drafter without --n-vocab): token ids
             # are still never negative nor past what llama.cpp's int32 holds
@@ -204,7 +204,7 @@ class WorkerEngine:
             if len(bad):
                 i = int(bad[0])
                 bound = f"n_vocab = {self.n_vocab}" if self.n_vocab > 0 else str(hi)
-                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, {bound})")
+                raise InvalidArgument(f"{name}[{i}] = {int(toks[i])} is not in [0, {bound})", field=f"{name}[{i}]")
         return toks.astype(np.int32)
 
     def _check_append(self, seq: SeqTokens, pos: int, n: int, name: str = "pos") -> None:
@@ -214,7 +214,7 @@ class WorkerEngine:
         expected = seq.pos_max + 1 if len(seq) else 0
         self._check_int32(**{name: pos})
         if pos < 0:
-            raise InvalidArgument(f"{name} must be >= 0, got {pos}")
+            raise InvalidArgument(f"{name} must be >= 0, got {pos}", field=name)
         if pos != expected:
             held = f"holds positions [{seq.pos_min}, {seq.pos_max}]" if len(seq) else "is empty"
             raise FailedPrecondition(f"{name} = {pos} but the sequence {held}; the next position is {expected}")
@@ -229,7 +229,7 @@ class WorkerEngine:
         would wrap them silently (p0 = 2**31 becomes "from 0")."""
         for name, v in values.items():
             if not INT32_MIN <= v <= INT32_MAX:
-                raise InvalidArgument(f"{name} = {v} is outside the int32 range [{INT32_MIN}, {INT32_MAX}]")
+                raise InvalidArgument(f"{name} = {v} is outside the int32 range [{INT32_MIN}, {INT32_MAX}]", field=name)
 
     @classmethod
     def _check_range(cls, p0: int, p1: int) -> None:

@@ -12,7 +12,15 @@ class SpecdError(Exception):
 
 
 class InvalidArgument(SpecdError):
+    """`field`: the request field that was wrong, as a path into the request
+    message ("speculative.n_max", "stop[2]"); public errors carry it as a
+    google.rpc.BadRequest field violation."""
+
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
 
 
 class FailedPrecondition(SpecdError):
@@ -28,7 +36,14 @@ class NotFound(SpecdError):
 
 
 class ResourceExhausted(SpecdError):
+    """`retry_after`: seconds after which a retry may succeed (a full queue
+    drains), sent as google.rpc.RetryInfo; 0 when retrying will not help."""
+
     code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after: float = 0.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Unimplemented(SpecdError):

@@ -259,4 +259,4 @@ class ModelEngine(WorkerEngine):
 
     def check_batch(self, n: int, name: str = "tokens") -> None:
         if n > self.model.n_batch:
-            raise InvalidArgument(f"{name} has {n} tokens; at most n_batch = {self.model.n_batch}")
+            raise InvalidArgument(f"{name} has {n} tokens; at most n_batch = {self.model.n_batch}", field=name)

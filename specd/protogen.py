@@ -14,8 +14,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "protos"
 
 
+# the public API (specd.v1) and the internal worker protocol (specd.worker.v1)
+PACKAGES = ("specd/v1", "specd/worker/v1")
+
+
 def proto_files() -> list[pathlib.Path]:
-    return sorted(PROTO_ROOT.glob("specd/v1/*.proto"))
+    return sorted(p for pkg in PACKAGES for p in PROTO_ROOT.glob(f"{pkg}/*.proto"))
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -46,7 +50,7 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
         os.chdir(cwd)
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
-    return sorted((out_dir / "specd" / "v1").glob("*_pb2*.py*"))
+    return sorted(p for pkg in PACKAGES for p in (out_dir / pkg).glob("*_pb2*.py*"))
 
 
 def main(argv: list[str] | None = None) -> int:

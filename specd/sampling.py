@@ -64,13 +64,13 @@ class Sampling:
     def validate(self, prefix: str = "sampling") -> "Sampling":
         """Raise InvalidArgument naming the first bad field."""
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"{prefix}.temperature must be >= 0, got {self.temperature}")
+            raise InvalidArgument(f"{prefix}.temperature must be >= 0, got {self.temperature}", field=f"{prefix}.temperature")
         if self.top_k < 0:
-            raise InvalidArgument(f"{prefix}.top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"{prefix}.top_k must be >= 0, got {self.top_k}", field=f"{prefix}.top_k")
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidArgument(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"{prefix}.top_p must be in (0, 1], got {self.top_p}", field=f"{prefix}.top_p")
         if not (0.0 <= self.min_p < 1.0):
-            raise InvalidArgument(f"{prefix}.min_p must be in [0, 1), got {self.min_p}")
+            raise InvalidArgument(f"{prefix}.min_p must be in [0, 1), got {self.min_p}", field=f"{prefix}.min_p")
         return self
 
 
@@ -324,17 +324,17 @@ def check_draft_q(q, drafts, n_vocab: int) -> None:
     """Raise InvalidArgument unless `q` holds one valid distribution per draft
     (or none), each giving its draft a positive probability."""
     if len(q) and len(q) != len(drafts):
-        raise InvalidArgument(f"draft_q must have one entry per draft ({len(drafts)}) or none, got {len(q)}")
+        raise InvalidArgument(f"draft_q must have one entry per draft ({len(drafts)}) or none, got {len(q)}", field="draft_q")
     for i, (d, x) in enumerate(zip(q, drafts)):
         ids, w = d.ids, d.probs
         if not 0 < len(ids) <= Q_MAX_SUPPORT or len(w) != len(ids):
-            raise InvalidArgument(f"draft_q[{i}] must have 1..{Q_MAX_SUPPORT} ids and as many probs")
+            raise InvalidArgument(f"draft_q[{i}] must have 1..{Q_MAX_SUPPORT} ids and as many probs", field=f"draft_q[{i}]")
         if ids[0] < 0 or ids[-1] >= n_vocab or np.any(np.diff(ids) <= 0):
-            raise InvalidArgument(f"draft_q[{i}].ids must be ascending, distinct and in [0, {n_vocab})")
+            raise InvalidArgument(f"draft_q[{i}].ids must be ascending, distinct and in [0, {n_vocab})", field=f"draft_q[{i}].ids")
         if not np.all(np.isfinite(w)) or np.any(w < 0):
-            raise InvalidArgument(f"draft_q[{i}].probs must be finite and >= 0")
+            raise InvalidArgument(f"draft_q[{i}].probs must be finite and >= 0", field=f"draft_q[{i}].probs")
         if d.at(x) <= 0.0:
-            raise InvalidArgument(f"draft_q[{i}] gives its draft {x} no probability")
+            raise InvalidArgument(f"draft_q[{i}] gives its draft {x} no probability", field=f"draft_q[{i}]")
 
 
 def top_probability(logits: np.ndarray) -> tuple[int, float]:

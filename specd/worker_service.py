@@ -17,8 +17,8 @@ from specd import codec
 from specd.engine import Steps
 from specd.errors import InvalidArgument, SpecdError, Unimplemented
 from specd.scheduler import BATCHABLE, EngineRunner, QueueBounds, Scheduler, Window, op_key
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specd.worker")
 

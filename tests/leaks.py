@@ -8,8 +8,8 @@ import urllib.request
 
 import grpc
 
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 WORKERS = ("target", "draft")
 

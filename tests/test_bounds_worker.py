@@ -13,8 +13,8 @@ import pytest
 from specd.errors import ResourceExhausted
 from specd.launcher import Proc
 from specd.scheduler import EngineRunner, Scheduler, op_key
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 
 MAX_QUEUED = 4
 MAX_STREAM = 8

@@ -16,8 +16,8 @@ from specd.router.engine import Router
 from specd.router.params import GenParams, Result, RouterSettings
 from specd.errors import ResourceExhausted
 from specd.llama import DecodeError, LlamaConfig
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.test_worker_grpc import start_worker, wait_serving
 
 N_BATCH = 8

@@ -10,7 +10,7 @@ import pytest
 from specd import codec, errors
 from specd.engine import CheckpointInfo, ModelInfo, ProposeResult, SeqState, VerifyResult
 from specd.sampling import Sampling, dist_of
-from specd.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2 as pb
 
 STATE = SeqState(1, 0, 6, 7, "ab12")
 

@@ -14,8 +14,8 @@ import pytest
 
 from specd.client import RouterClient, make_request
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 from tests.conftest import PROMPTS
 
 N_SEQ = 8

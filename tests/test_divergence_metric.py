@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 
 from specd.client import RouterClient, collect, make_request
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 from tests.leaks import worker_address
 from tests.test_operations import scrape, value
 

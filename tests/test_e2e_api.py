@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import google.rpc
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from specd.client import RouterClient, collect, make_request
 from specd.launcher import Cluster, ClusterSpec, Proc, ProcessDied
@@ -48,6 +53,13 @@ def test_bad_request_is_invalid_argument_naming_the_field(cluster, field, mutate
             list(stub.Generate(req, timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in err.value.details()
+        # the standard error model: a google.rpc.BadRequest names the field
+        status = rpc_status.from_call(err.value)
+        assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        (detail,) = status.details
+        bad = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad), detail.type_url
+        assert [v.field for v in bad.field_violations] == [field]
     # the workers keep serving, and nothing leaked into the next request
     with RouterClient(cluster.router_address) as client:
         r = client.generate("The capital of France is", max_tokens=6)
@@ -158,3 +170,31 @@ def test_target_killed_mid_stream_ends_with_unavailable(cluster_factory):
         with pytest.raises(grpc.RpcError) as err:
             client.generate("Hello", max_tokens=4)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# A Node.js client (@grpc/grpc-js) generated from the public protos alone
+# streams a completion and reads which field of an invalid request was wrong.
+NODE_DIR = pathlib.Path(__file__).parent / "node"
+PROTOS = pathlib.Path(__file__).parents[1] / "protos"
+# google/rpc/{status,error_details}.proto ship with googleapis-common-protos
+GOOGLEAPIS = pathlib.Path(google.rpc.__path__[0]).parents[1]
+
+
+def test_a_node_client_streams_and_reads_a_field_violation(cluster):
+    node = shutil.which("node")
+    assert node, "node is not installed (scripts/test.sh needs Node.js and npm)"
+    assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), "run npm ci in tests/node (scripts/test.sh)"
+    assert (GOOGLEAPIS / "google" / "rpc" / "error_details.proto").is_file()
+    r = subprocess.run([node, "client.js", cluster.router_address, str(PROTOS), str(GOOGLEAPIS)], cwd=NODE_DIR,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    with RouterClient(cluster.router_address) as client:
+        expected = client.generate("1, 2, 3, 4,", max_tokens=8)
+    assert out["text"] == expected.text and out["generated_tokens"] == 8
+    assert out["finish_reason"] == "FINISH_REASON_LENGTH"
+    invalid = out["invalid"]
+    assert invalid["code"] == 3 and invalid["status_code"] == 3  # INVALID_ARGUMENT
+    (detail,) = invalid["details"]
+    assert detail["type"] == "google.rpc.BadRequest"
+    assert [v["field"] for v in detail["value"]["fieldViolations"]] == ["speculative.n_max"]

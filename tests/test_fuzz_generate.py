@@ -28,7 +28,6 @@ from hypothesis import strategies as st
 from specd.client import RouterClient, collect
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
 from tests.conftest import PROMPTS
 from tests.leaks import wait_no_leaks
 
@@ -219,7 +218,7 @@ def test_random_generate_requests_complete_or_name_their_fault(cluster_factory, 
     cluster, stub = _cluster(cluster_factory)
 
     def tokenize(text: str, add_special: bool) -> list[int]:
-        return list(stub.Tokenize(wpb.TokenizeRequest(text=text, add_special=add_special, parse_special=True),
+        return list(stub.Tokenize(rpb.TokenizeRequest(text=text, add_special=add_special, parse_special=True),
                                   timeout=30).tokens)
 
     req, n_prompt = draw_request(data, tokenize)

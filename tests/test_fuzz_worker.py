@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specd.launcher import Proc
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.test_worker_grpc import wait_serving
 
 N_SEQ = 3

@@ -19,8 +19,8 @@ from specd.errors import InvalidArgument
 from specd.client import RouterClient, collect, make_request
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 MAX_PROMPT = 64
 MAX_TOKENS = 300

@@ -13,8 +13,8 @@ from specd.engine import ModelInfo
 from specd.errors import FailedPrecondition
 from specd.launcher import Cluster, ClusterSpec, Proc, ProcessDied
 from specd.tokens import history_hash
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 from tests.test_worker_grpc import wait_serving
 
 N_VOCAB = 49152  # SmolLM2's

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 
 from specd.client import make_request
-from specd.v1 import worker_pb2 as wpb
+from specd.v1 import router_pb2 as rpb
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def test_n_ctx_is_per_sequence_and_refuses_typos():
 
 
 def test_a_sampling_message_keeps_its_temperature():
-    s = wpb.SamplingParams(temperature=0.8, top_k=40, seed=7)
+    s = rpb.SamplingParams(temperature=0.8, top_k=40, seed=7)
     req = make_request("hi", sampling=s)
     assert req.sampling.temperature == s.temperature and req.sampling.top_k == 40 and req.sampling.seed == 7
     assert make_request("hi", sampling=s, temperature=0.2, seed=9).sampling.seed == 9
@@ -67,11 +68,17 @@ def test_a_sampling_message_keeps_its_temperature():
 def test_the_wheel_installs_everything_under_specd(tmp_path):
     """The roles keep their top-level folders in the repository but install as
     `specd.router`, `specd.target_worker`, `specd.draft_worker` (issue #21)."""
+    # from a copy: setuptools writes its build/ beside the sources
+    src = tmp_path / "src"
+    for name in ("specd", "router", "target_worker", "draft_worker"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("specd-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"specd", wheel.name.split("-py")[0] + ".dist-info"}, names
     for module in ("specd/router/engine.py", "specd/target_worker/server.py", "specd/draft_worker/ngram/simple.py",
-                   "specd/v1/router_pb2.py"):
+                   "specd/v1/router_pb2.py", "specd/worker/v1/worker_pb2.py"):
         assert module in names

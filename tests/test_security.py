@@ -28,8 +28,8 @@ from specd.client import RouterClient, make_request
 from specd.launcher import Proc
 from specd.v1 import router_pb2 as rpb
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 API_KEY = "sk-test-6f1d0c2b9a8e4d7c"
 OTHER_KEY = "sk-test-second-key-0a1b2c"
@@ -160,7 +160,7 @@ def call_all(address: str, creds, metadata) -> None:
     with grpc.secure_channel(address, creds) as ch:
         stub = rpb_grpc.RouterStub(ch)
         assert stub.GetInfo(rpb.GetInfoRequest(), timeout=10, metadata=metadata).target.n_vocab == 49152
-        assert list(stub.Tokenize(wpb.TokenizeRequest(text="Hello world"), timeout=10, metadata=metadata).tokens)
+        assert list(stub.Tokenize(rpb.TokenizeRequest(text="Hello world"), timeout=10, metadata=metadata).tokens)
         msgs = list(stub.Generate(make_request("Hello", max_tokens=4), timeout=30, metadata=metadata))
         assert msgs[-1].finish.usage.generated_tokens == 4
 
@@ -185,7 +185,7 @@ def test_missing_or_wrong_api_key_is_unauthenticated(secure, pki, metadata, mess
     with grpc.secure_channel(secure.router_address, pki.creds()) as ch:
         stub = rpb_grpc.RouterStub(ch)
         calls = [lambda: stub.GetInfo(rpb.GetInfoRequest(), timeout=10, metadata=metadata),
-                 lambda: stub.Tokenize(wpb.TokenizeRequest(text="Hi"), timeout=10, metadata=metadata),
+                 lambda: stub.Tokenize(rpb.TokenizeRequest(text="Hi"), timeout=10, metadata=metadata),
                  lambda: list(stub.Generate(make_request("Hello", max_tokens=4), timeout=10, metadata=metadata))]
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:

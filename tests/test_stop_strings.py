@@ -9,8 +9,8 @@ import pytest
 from specd.client import RouterClient, make_request
 from specd.config import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from specd.v1 import router_pb2_grpc as rpb_grpc
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 COUNTING = "1, 2, 3, 4, 5,"
 

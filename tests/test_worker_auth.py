@@ -23,8 +23,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specd.client import RouterClient
 from specd.launcher import Proc
-from specd.v1 import worker_pb2 as wpb
-from specd.v1 import worker_pb2_grpc as wpb_grpc
+from specd.worker.v1 import worker_pb2 as wpb
+from specd.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 KEY = "sk-cluster-1c2d3e4f5a6b"  # first in the file: the key the router presents
 SECOND = "sk-cluster-second-7a8b9c"
@@ -125,7 +125,7 @@ def test_worker_refuses_calls_without_its_key_and_changes_nothing(locked, role):
         assert client.generate(PROMPT, max_tokens=8).n_cached > 0
     time.sleep(0.3)  # let the worker's log reach its file
     log = locked.procs[role].log_path.read_text(errors="replace")
-    assert "refused /specd.v1.Worker/Clear: missing API key" in log
+    assert "refused /specd.worker.v1.Worker/Clear: missing API key" in log
     for key in (KEY, SECOND, WRONG):
         assert key not in log
 
@@ -134,7 +134,7 @@ def test_worker_refuses_calls_without_its_key_and_changes_nothing(locked, role):
 def test_worker_health_needs_no_key(locked, role):
     with grpc.insecure_channel(address_of(locked, role)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        for service in ("", "specd.v1.Worker"):
+        for service in ("", "specd.worker.v1.Worker"):
             r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert r.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -14,8 +14,8 @@ from specd.errors import InvalidArgument
 from specd.launcher import Proc
 from specd.llama import LlamaConfig
 from specd.tokens import history_hash
-from specd.v1 import worker_pb2 as pb
-from specd.v1 import worker_pb2_grpc as pb_grpc
+from specd.worker.v1 import worker_pb2 as pb
+from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 from specd.draft_worker.engine import DraftModelEngine, NgramEngine
 from specd.target_worker.engine import TargetEngine
 
@@ -35,7 +35,7 @@ def wait_serving(address: str, timeout: float = 60) -> list[int]:
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
-            status = stub.Check(health_pb2.HealthCheckRequest(service="specd.v1.Worker"), timeout=5).status
+            status = stub.Check(health_pb2.HealthCheckRequest(service="specd.worker.v1.Worker"), timeout=5).status
             if not seen or seen[-1] != status:
                 seen.append(status)
             if status == health_pb2.HealthCheckResponse.SERVING:

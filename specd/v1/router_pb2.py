@@ -22,40 +22,50 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from specd.v1 import worker_pb2 as specd_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/router.proto\x12\x08specd.v1\x1a\x15specd/v1/worker.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\xdd\x01\n\x11SpeculativeParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05n_max\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05n_min\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05p_min\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x15\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12(\n\nacceptance\x18\x06 \x01(\x0e\x32\x14.specd.v1.AcceptanceB\n\n\x08_enabledB\x08\n\x06_n_maxB\x08\n\x06_n_minB\x08\n\x06_p_minB\x0b\n\t_adaptive\"\xea\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\rprompt_tokens\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12*\n\x08messages\x18\n \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x30\n\x0bspeculative\x18\x06 \x01(\x0b\x32\x1b.specd.v1.SpeculativeParams\x12\x15\n\rcontext_shift\x18\x07 \x01(\x08\x12\x0e\n\x06n_keep\x18\x08 \x01(\x05\x12\x18\n\x0b\x61\x64\x64_special\x18\t \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_add_special\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ontext_shifts\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\"\xb4\x01\n\x06Timing\x12\x16\n\x0eprompt_seconds\x18\x01 \x01(\x01\x12\x1a\n\x12generation_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x64raft_compute_seconds\x18\x03 \x01(\x01\x12\x1e\n\x16verify_compute_seconds\x18\x04 \x01(\x01\x12\x15\n\rsteps_seconds\x18\x05 \x01(\x01\x12 \n\x18\x63ritical_compute_seconds\x18\x06 \x01(\x01\"\x87\x01\n\x06\x46inish\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12 \n\x06timing\x18\x03 \x01(\x0b\x32\x10.specd.v1.Timing\x12\x13\n\x0bspeculative\x18\x04 \x01(\x08\"U\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12 \n\x06\x66inish\x18\x03 \x01(\x0b\x32\x10.specd.v1.Finish\"\x10\n\x0eGetInfoRequest\"\xc7\x01\n\nRouterInfo\x12#\n\x06target\x18\x01 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12\"\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12\x15\n\rdefault_n_max\x18\x03 \x01(\x05\x12\x15\n\rdefault_p_min\x18\x04 \x01(\x02\x12\x17\n\x0f\x63heckpoint_mode\x18\x05 \x01(\x08\x12\x17\n\x0f\x63heck_alignment\x18\x06 \x01(\x08\x12\x10\n\x08\x64raft_up\x18\x07 \x01(\x08*X\n\nAcceptance\x12\x1a\n\x16\x41\x43\x43\x45PTANCE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x43\x43\x45PTANCE_EXACT\x10\x01\x12\x18\n\x14\x41\x43\x43\x45PTANCE_REJECTION\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOG\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xcb\x01\n\x06Router\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.specd.v1.TokenizeRequest\x1a\x1a.specd.v1.TokenizeResponse\x12\x39\n\x07GetInfo\x12\x18.specd.v1.GetInfoRequest\x1a\x14.specd.v1.RouterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/router.proto\x12\x08specd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\xdd\x01\n\x11SpeculativeParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05n_max\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05n_min\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05p_min\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x15\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12(\n\nacceptance\x18\x06 \x01(\x0e\x32\x14.specd.v1.AcceptanceB\n\n\x08_enabledB\x08\n\x06_n_maxB\x08\n\x06_n_minB\x08\n\x06_p_minB\x0b\n\t_adaptive\"\xea\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\rprompt_tokens\x18\x02 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12*\n\x08messages\x18\n \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x30\n\x0bspeculative\x18\x06 \x01(\x0b\x32\x1b.specd.v1.SpeculativeParams\x12\x15\n\rcontext_shift\x18\x07 \x01(\x08\x12\x0e\n\x06n_keep\x18\x08 \x01(\x05\x12\x18\n\x0b\x61\x64\x64_special\x18\t \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_add_special\"\xa7\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ontext_shifts\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\"\xb4\x01\n\x06Timing\x12\x16\n\x0eprompt_seconds\x18\x01 \x01(\x01\x12\x1a\n\x12generation_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x64raft_compute_seconds\x18\x03 \x01(\x01\x12\x1e\n\x16verify_compute_seconds\x18\x04 \x01(\x01\x12\x15\n\rsteps_seconds\x18\x05 \x01(\x01\x12 \n\x18\x63ritical_compute_seconds\x18\x06 \x01(\x01\"\x87\x01\n\x06\x46inish\x12&\n\x06reason\x18\x01 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12 \n\x06timing\x18\x03 \x01(\x0b\x32\x10.specd.v1.Timing\x12\x13\n\x0bspeculative\x18\x04 \x01(\x08\"U\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12 \n\x06\x66inish\x18\x03 \x01(\x0b\x32\x10.specd.v1.Finish\"\x10\n\x0eGetInfoRequest\"\xcc\x01\n\x0fGetInfoResponse\x12#\n\x06target\x18\x01 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12\"\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12\x15\n\rdefault_n_max\x18\x03 \x01(\x05\x12\x15\n\rdefault_p_min\x18\x04 \x01(\x02\x12\x17\n\x0f\x63heckpoint_mode\x18\x05 \x01(\x08\x12\x17\n\x0f\x63heck_alignment\x18\x06 \x01(\x08\x12\x10\n\x08\x64raft_up\x18\x07 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"K\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x02 \x01(\x08\x12\x15\n\rparse_special\x18\x03 \x01(\x08\"\"\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\x9e\x02\n\tModelInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07n_vocab\x18\x04 \x01(\x05\x12\x19\n\x11vocab_fingerprint\x18\x05 \x01(\t\x12\x11\n\tn_ctx_seq\x18\x06 \x01(\x05\x12\r\n\x05n_seq\x18\x07 \x01(\x05\x12\x16\n\x0e\x63\x61n_rm_partial\x18\x08 \x01(\x08\x12\x11\n\tcan_shift\x18\t \x01(\x08\x12\r\n\x05n_swa\x18\n \x01(\x05\x12\x12\n\neog_tokens\x18\x0b \x03(\x05\x12\x0f\n\x07\x61\x64\x64_bos\x18\x0c \x01(\x08\x12\x11\n\tn_threads\x18\r \x01(\x05\x12\x12\n\nmodel_path\x18\x0e \x01(\tJ\x04\x08\x0f\x10\x14*X\n\nAcceptance\x12\x1a\n\x16\x41\x43\x43\x45PTANCE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41\x43\x43\x45PTANCE_EXACT\x10\x01\x12\x18\n\x14\x41\x43\x43\x45PTANCE_REJECTION\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOG\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xd0\x01\n\x06Router\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x41\n\x08Tokenize\x12\x19.specd.v1.TokenizeRequest\x1a\x1a.specd.v1.TokenizeResponse\x12>\n\x07GetInfo\x12\x18.specd.v1.GetInfoRequest\x1a\x19.specd.v1.GetInfoResponseBM\n\x0c\x64\x65v.specd.v1B\x0bRouterProtoP\x01Z.github.com/specd/specd/gen/go/specd/v1;specdv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_ACCEPTANCE']._serialized_start=1527
-  _globals['_ACCEPTANCE']._serialized_end=1615
-  _globals['_FINISHREASON']._serialized_start=1617
-  _globals['_FINISHREASON']._serialized_end=1735
-  _globals['_TOKENIDS']._serialized_start=58
-  _globals['_TOKENIDS']._serialized_end=81
-  _globals['_CHATMESSAGES']._serialized_start=83
-  _globals['_CHATMESSAGES']._serialized_end=138
-  _globals['_SPECULATIVEPARAMS']._serialized_start=141
-  _globals['_SPECULATIVEPARAMS']._serialized_end=362
-  _globals['_GENERATEREQUEST']._serialized_start=365
-  _globals['_GENERATEREQUEST']._serialized_end=727
-  _globals['_USAGE']._serialized_start=730
-  _globals['_USAGE']._serialized_end=897
-  _globals['_TIMING']._serialized_start=900
-  _globals['_TIMING']._serialized_end=1080
-  _globals['_FINISH']._serialized_start=1083
-  _globals['_FINISH']._serialized_end=1218
-  _globals['_GENERATERESPONSE']._serialized_start=1220
-  _globals['_GENERATERESPONSE']._serialized_end=1305
-  _globals['_GETINFOREQUEST']._serialized_start=1307
-  _globals['_GETINFOREQUEST']._serialized_end=1323
-  _globals['_ROUTERINFO']._serialized_start=1326
-  _globals['_ROUTERINFO']._serialized_end=1525
-  _globals['_ROUTER']._serialized_start=1738
-  _globals['_ROUTER']._serialized_end=1941
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\014dev.specd.v1B\013RouterProtoP\001Z.github.com/specd/specd/gen/go/specd/v1;specdv1'
+  _globals['_ACCEPTANCE']._serialized_start=2069
+  _globals['_ACCEPTANCE']._serialized_end=2157
+  _globals['_FINISHREASON']._serialized_start=2159
+  _globals['_FINISHREASON']._serialized_end=2277
+  _globals['_TOKENIDS']._serialized_start=35
+  _globals['_TOKENIDS']._serialized_end=58
+  _globals['_CHATMESSAGES']._serialized_start=60
+  _globals['_CHATMESSAGES']._serialized_end=115
+  _globals['_SPECULATIVEPARAMS']._serialized_start=118
+  _globals['_SPECULATIVEPARAMS']._serialized_end=339
+  _globals['_GENERATEREQUEST']._serialized_start=342
+  _globals['_GENERATEREQUEST']._serialized_end=704
+  _globals['_USAGE']._serialized_start=707
+  _globals['_USAGE']._serialized_end=874
+  _globals['_TIMING']._serialized_start=877
+  _globals['_TIMING']._serialized_end=1057
+  _globals['_FINISH']._serialized_start=1060
+  _globals['_FINISH']._serialized_end=1195
+  _globals['_GENERATERESPONSE']._serialized_start=1197
+  _globals['_GENERATERESPONSE']._serialized_end=1282
+  _globals['_GETINFOREQUEST']._serialized_start=1284
+  _globals['_GETINFOREQUEST']._serialized_end=1300
+  _globals['_GETINFORESPONSE']._serialized_start=1303
+  _globals['_GETINFORESPONSE']._serialized_end=1507
+  _globals['_CHATMESSAGE']._serialized_start=1509
+  _globals['_CHATMESSAGE']._serialized_end=1553
+  _globals['_SAMPLINGPARAMS']._serialized_start=1555
+  _globals['_SAMPLINGPARAMS']._serialized_end=1665
+  _globals['_TOKENIZEREQUEST']._serialized_start=1667
+  _globals['_TOKENIZEREQUEST']._serialized_end=1742
+  _globals['_TOKENIZERESPONSE']._serialized_start=1744
+  _globals['_TOKENIZERESPONSE']._serialized_end=1778
+  _globals['_MODELINFO']._serialized_start=1781
+  _globals['_MODELINFO']._serialized_end=2067
+  _globals['_ROUTER']._serialized_start=2280
+  _globals['_ROUTER']._serialized_end=2488
 # @@protoc_insertion_point(module_scope)

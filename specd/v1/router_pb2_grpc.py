@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from specd.v1 import router_pb2 as specd_dot_v1_dot_router__pb2
-from specd.v1 import worker_pb2 as specd_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -27,7 +26,9 @@ if _version_not_supported:
 
 
 class RouterStub:
-    """Missing associated documentation comment in .proto file."""
+    """The router. The name follows the API design guide's resource-less style
+    (google.pubsub.v1.Publisher), not buf's SERVICE_SUFFIX; see buf.yaml.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,18 +43,20 @@ class RouterStub:
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/specd.v1.Router/Tokenize',
-                request_serializer=specd_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+                request_serializer=specd_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/specd.v1.Router/GetInfo',
                 request_serializer=specd_dot_v1_dot_router__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_router__pb2.RouterInfo.FromString,
+                response_deserializer=specd_dot_v1_dot_router__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
 
 
 class RouterServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The router. The name follows the API design guide's resource-less style
+    (google.pubsub.v1.Publisher), not buf's SERVICE_SUFFIX; see buf.yaml.
+    """
 
     def Generate(self, request, context):
         """Generate a completion. Streams one message per accepted batch of tokens
@@ -87,13 +90,13 @@ def add_RouterServicer_to_server(servicer, server):
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=specd_dot_v1_dot_router__pb2.TokenizeRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_router__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
                     request_deserializer=specd_dot_v1_dot_router__pb2.GetInfoRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_router__pb2.RouterInfo.SerializeToString,
+                    response_serializer=specd_dot_v1_dot_router__pb2.GetInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -104,7 +107,9 @@ def add_RouterServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Router:
-    """Missing associated documentation comment in .proto file."""
+    """The router. The name follows the API design guide's resource-less style
+    (google.pubsub.v1.Publisher), not buf's SERVICE_SUFFIX; see buf.yaml.
+    """
 
     @staticmethod
     def Generate(request,
@@ -148,8 +153,8 @@ class Router:
             request,
             target,
             '/specd.v1.Router/Tokenize',
-            specd_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            specd_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+            specd_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,7 +181,7 @@ class Router:
             target,
             '/specd.v1.Router/GetInfo',
             specd_dot_v1_dot_router__pb2.GetInfoRequest.SerializeToString,
-            specd_dot_v1_dot_router__pb2.RouterInfo.FromString,
+            specd_dot_v1_dot_router__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,9 @@ Sequences and positions follow llama.cpp exactly:
 Every mutating call leaves the sequence either fully changed or untouched:
 an invalid request gets INVALID_ARGUMENT (the message names the field), a
 request that does not fit the sequence's current state FAILED_PRECONDITION.
+
+Internal: the router is this protocol's only client, and it changes with
+the router. Clients use the public API (specd/v1/router.proto).
 """
 
 from collections import abc as _abc

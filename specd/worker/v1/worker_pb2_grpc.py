@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from specd.v1 import worker_pb2 as specd_dot_v1_dot_worker__pb2
+from specd.worker.v1 import worker_pb2 as specd_dot_worker_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in specd/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in specd/worker/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,74 +36,74 @@ class WorkerStub:
             channel: A grpc.Channel.
         """
         self.GetModelInfo = channel.unary_unary(
-                '/specd.v1.Worker/GetModelInfo',
-                request_serializer=specd_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+                '/specd.worker.v1.Worker/GetModelInfo',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.Decode = channel.unary_unary(
-                '/specd.v1.Worker/Decode',
-                request_serializer=specd_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+                '/specd.worker.v1.Worker/Decode',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
                 _registered_method=True)
         self.SeqRm = channel.unary_unary(
-                '/specd.v1.Worker/SeqRm',
-                request_serializer=specd_dot_v1_dot_worker__pb2.SeqRmRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+                '/specd.worker.v1.Worker/SeqRm',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqRmRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
                 _registered_method=True)
         self.SeqAdd = channel.unary_unary(
-                '/specd.v1.Worker/SeqAdd',
-                request_serializer=specd_dot_v1_dot_worker__pb2.SeqAddRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+                '/specd.worker.v1.Worker/SeqAdd',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqAddRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
                 _registered_method=True)
         self.SeqCp = channel.unary_unary(
-                '/specd.v1.Worker/SeqCp',
-                request_serializer=specd_dot_v1_dot_worker__pb2.SeqCpRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+                '/specd.worker.v1.Worker/SeqCp',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqCpRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
                 _registered_method=True)
         self.CheckpointSave = channel.unary_unary(
-                '/specd.v1.Worker/CheckpointSave',
-                request_serializer=specd_dot_v1_dot_worker__pb2.CheckpointSaveRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.Checkpoint.FromString,
+                '/specd.worker.v1.Worker/CheckpointSave',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointSaveRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.Checkpoint.FromString,
                 _registered_method=True)
         self.CheckpointRestore = channel.unary_unary(
-                '/specd.v1.Worker/CheckpointRestore',
-                request_serializer=specd_dot_v1_dot_worker__pb2.CheckpointRestoreRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+                '/specd.worker.v1.Worker/CheckpointRestore',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointRestoreRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
                 _registered_method=True)
         self.CheckpointDrop = channel.unary_unary(
-                '/specd.v1.Worker/CheckpointDrop',
-                request_serializer=specd_dot_v1_dot_worker__pb2.CheckpointDropRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.CheckpointDropResponse.FromString,
+                '/specd.worker.v1.Worker/CheckpointDrop',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointDropRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointDropResponse.FromString,
                 _registered_method=True)
         self.GetSeqState = channel.unary_unary(
-                '/specd.v1.Worker/GetSeqState',
-                request_serializer=specd_dot_v1_dot_worker__pb2.GetSeqStateRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+                '/specd.worker.v1.Worker/GetSeqState',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.GetSeqStateRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
                 _registered_method=True)
         self.Clear = channel.unary_unary(
-                '/specd.v1.Worker/Clear',
-                request_serializer=specd_dot_v1_dot_worker__pb2.ClearRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.ClearResponse.FromString,
+                '/specd.worker.v1.Worker/Clear',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ClearRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ClearResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
-                '/specd.v1.Worker/Tokenize',
-                request_serializer=specd_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+                '/specd.worker.v1.Worker/Tokenize',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
-                '/specd.v1.Worker/Detokenize',
-                request_serializer=specd_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+                '/specd.worker.v1.Worker/Detokenize',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.ApplyChatTemplate = channel.unary_unary(
-                '/specd.v1.Worker/ApplyChatTemplate',
-                request_serializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.FromString,
+                '/specd.worker.v1.Worker/ApplyChatTemplate',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.FromString,
                 _registered_method=True)
         self.Execute = channel.stream_stream(
-                '/specd.v1.Worker/Execute',
-                request_serializer=specd_dot_v1_dot_worker__pb2.WorkerOp.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.WorkerResult.FromString,
+                '/specd.worker.v1.Worker/Execute',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.WorkerOp.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.WorkerResult.FromString,
                 _registered_method=True)
 
 
@@ -227,79 +227,79 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ModelInfo.SerializeToString,
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
             ),
             'SeqRm': grpc.unary_unary_rpc_method_handler(
                     servicer.SeqRm,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.SeqRmRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqRmRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
             ),
             'SeqAdd': grpc.unary_unary_rpc_method_handler(
                     servicer.SeqAdd,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.SeqAddRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqAddRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
             ),
             'SeqCp': grpc.unary_unary_rpc_method_handler(
                     servicer.SeqCp,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.SeqCpRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqCpRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
             ),
             'CheckpointSave': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointSave,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.CheckpointSaveRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.Checkpoint.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointSaveRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.Checkpoint.SerializeToString,
             ),
             'CheckpointRestore': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointRestore,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.CheckpointRestoreRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointRestoreRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
             ),
             'CheckpointDrop': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointDrop,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.CheckpointDropRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.CheckpointDropResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointDropRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointDropResponse.SerializeToString,
             ),
             'GetSeqState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSeqState,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.GetSeqStateRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.GetSeqStateRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.SerializeToString,
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.ClearRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.ClearResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ClearRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ClearResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ApplyChatTemplate': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyChatTemplate,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.SerializeToString,
             ),
             'Execute': grpc.stream_stream_rpc_method_handler(
                     servicer.Execute,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.WorkerOp.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.WorkerResult.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.WorkerOp.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.WorkerResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specd.v1.Worker', rpc_method_handlers)
+            'specd.worker.v1.Worker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specd.v1.Worker', rpc_method_handlers)
+    server.add_registered_method_handlers('specd.worker.v1.Worker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -321,9 +321,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/GetModelInfo',
-            specd_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.ModelInfo.FromString,
+            '/specd.worker.v1.Worker/GetModelInfo',
+            specd_dot_worker_dot_v1_dot_worker__pb2.GetModelInfoRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -348,9 +348,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/Decode',
-            specd_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+            '/specd.worker.v1.Worker/Decode',
+            specd_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -375,9 +375,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/SeqRm',
-            specd_dot_v1_dot_worker__pb2.SeqRmRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+            '/specd.worker.v1.Worker/SeqRm',
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqRmRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -402,9 +402,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/SeqAdd',
-            specd_dot_v1_dot_worker__pb2.SeqAddRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+            '/specd.worker.v1.Worker/SeqAdd',
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqAddRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -429,9 +429,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/SeqCp',
-            specd_dot_v1_dot_worker__pb2.SeqCpRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+            '/specd.worker.v1.Worker/SeqCp',
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqCpRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,9 +456,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/CheckpointSave',
-            specd_dot_v1_dot_worker__pb2.CheckpointSaveRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.Checkpoint.FromString,
+            '/specd.worker.v1.Worker/CheckpointSave',
+            specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointSaveRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.Checkpoint.FromString,
             options,
             channel_credentials,
             insecure,
@@ -483,9 +483,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/CheckpointRestore',
-            specd_dot_v1_dot_worker__pb2.CheckpointRestoreRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+            '/specd.worker.v1.Worker/CheckpointRestore',
+            specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointRestoreRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -510,9 +510,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/CheckpointDrop',
-            specd_dot_v1_dot_worker__pb2.CheckpointDropRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.CheckpointDropResponse.FromString,
+            '/specd.worker.v1.Worker/CheckpointDrop',
+            specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointDropRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.CheckpointDropResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -537,9 +537,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/GetSeqState',
-            specd_dot_v1_dot_worker__pb2.GetSeqStateRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.SeqState.FromString,
+            '/specd.worker.v1.Worker/GetSeqState',
+            specd_dot_worker_dot_v1_dot_worker__pb2.GetSeqStateRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.SeqState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -564,9 +564,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/Clear',
-            specd_dot_v1_dot_worker__pb2.ClearRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.ClearResponse.FromString,
+            '/specd.worker.v1.Worker/Clear',
+            specd_dot_worker_dot_v1_dot_worker__pb2.ClearRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -591,9 +591,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/Tokenize',
-            specd_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            '/specd.worker.v1.Worker/Tokenize',
+            specd_dot_worker_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -618,9 +618,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/Detokenize',
-            specd_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+            '/specd.worker.v1.Worker/Detokenize',
+            specd_dot_worker_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -645,9 +645,9 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.Worker/ApplyChatTemplate',
-            specd_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.FromString,
+            '/specd.worker.v1.Worker/ApplyChatTemplate',
+            specd_dot_worker_dot_v1_dot_worker__pb2.ApplyChatTemplateRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.ApplyChatTemplateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -672,9 +672,9 @@ class Worker:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/specd.v1.Worker/Execute',
-            specd_dot_v1_dot_worker__pb2.WorkerOp.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.WorkerResult.FromString,
+            '/specd.worker.v1.Worker/Execute',
+            specd_dot_worker_dot_v1_dot_worker__pb2.WorkerOp.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.WorkerResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -697,9 +697,9 @@ class TargetWorkerStub:
             channel: A grpc.Channel.
         """
         self.Verify = channel.unary_unary(
-                '/specd.v1.TargetWorker/Verify',
-                request_serializer=specd_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
+                '/specd.worker.v1.TargetWorker/Verify',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
                 _registered_method=True)
 
 
@@ -721,14 +721,14 @@ def add_TargetWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.VerifyRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.VerifyResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.VerifyRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.VerifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specd.v1.TargetWorker', rpc_method_handlers)
+            'specd.worker.v1.TargetWorker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specd.v1.TargetWorker', rpc_method_handlers)
+    server.add_registered_method_handlers('specd.worker.v1.TargetWorker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -750,9 +750,9 @@ class TargetWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.TargetWorker/Verify',
-            specd_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
+            '/specd.worker.v1.TargetWorker/Verify',
+            specd_dot_worker_dot_v1_dot_worker__pb2.VerifyRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -775,9 +775,9 @@ class DraftWorkerStub:
             channel: A grpc.Channel.
         """
         self.Propose = channel.unary_unary(
-                '/specd.v1.DraftWorker/Propose',
-                request_serializer=specd_dot_v1_dot_worker__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_worker__pb2.ProposeResponse.FromString,
+                '/specd.worker.v1.DraftWorker/Propose',
+                request_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ProposeResponse.FromString,
                 _registered_method=True)
 
 
@@ -797,14 +797,14 @@ def add_DraftWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=specd_dot_v1_dot_worker__pb2.ProposeRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_worker__pb2.ProposeResponse.SerializeToString,
+                    request_deserializer=specd_dot_worker_dot_v1_dot_worker__pb2.ProposeRequest.FromString,
+                    response_serializer=specd_dot_worker_dot_v1_dot_worker__pb2.ProposeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specd.v1.DraftWorker', rpc_method_handlers)
+            'specd.worker.v1.DraftWorker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specd.v1.DraftWorker', rpc_method_handlers)
+    server.add_registered_method_handlers('specd.worker.v1.DraftWorker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -826,9 +826,9 @@ class DraftWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specd.v1.DraftWorker/Propose',
-            specd_dot_v1_dot_worker__pb2.ProposeRequest.SerializeToString,
-            specd_dot_v1_dot_worker__pb2.ProposeResponse.FromString,
+            '/specd.worker.v1.DraftWorker/Propose',
+            specd_dot_worker_dot_v1_dot_worker__pb2.ProposeRequest.SerializeToString,
+            specd_dot_worker_dot_v1_dot_worker__pb2.ProposeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,11 +15,14 @@ Sequences and positions follow llama.cpp exactly:
 Every mutating call leaves the sequence either fully changed or untouched:
 an invalid request gets INVALID_ARGUMENT (the message names the field), a
 request that does not fit the sequence's current state FAILED_PRECONDITION.
+
+Internal: the router is this protocol's only client, and it changes with
+the router. Clients use the public API (specd/v1/router.proto).
 """
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from specd.v1 import worker_pb2 as _worker_pb2
+from specd.worker.v1 import worker_pb2 as _worker_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -1,0 +1,1 @@
+"""The internal worker protocol (protos/specd/worker/v1), generated."""
