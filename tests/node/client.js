@@ -4,7 +4,7 @@
 // from the standard error model (google.rpc.Status + BadRequest).
 //
 // usage: node client.js ADDRESS PROTOS_DIR GOOGLEAPIS_DIR
-// prints one JSON object for tests/test_node_client.py.
+// prints one JSON object for tests/test_e2e_api.py.
 "use strict";
 
 const path = require("path");
