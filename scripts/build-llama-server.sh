@@ -26,7 +26,10 @@ if [ ! -d "$ROOT/src" ]; then
 fi
 # Native CPU code as a user building on this machine gets it; no curl (models
 # are local files), no tests or examples: only the server target is built.
+# No AMX, as specd's own build (scripts/setup.sh says why).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$ROOT/src" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >&2
 cmake --build "$ROOT/build" --target llama-server -j "$(nproc)" >&2
