@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import uuid
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from specd.sampling import Sampling
 from specd.security import KeyedChannel, api_key_metadata
 from specd.worker.v1 import worker_pb2 as pb
 from specd.worker.v1 import worker_pb2_grpc as pb_grpc
+from specd.ownership import OWNER_KEY
 from specd.worker_service import INSTANCE_KEY
 
 
@@ -44,11 +47,13 @@ class _InFlight:
 def _stream_failure(exc: grpc.aio.AioRpcError, message: str) -> errors.SpecdError:
     """What a broken Execute stream means to the router. Operations report
     their own errors inside WorkerResult, so a status on the stream itself is
-    the worker refusing the caller (credentials), another process answering
-    (ABORTED, worker.proto), or the connection gone, whatever code the
-    transport chose for it (a write to a killed worker can end INTERNAL)."""
+    the worker refusing the caller (credentials), the worker leased to
+    another router (PERMISSION_DENIED: unavailable to this one, as a worker
+    that is down), another process answering (ABORTED, worker.proto), or the
+    connection gone, whatever code the transport chose for it (a write to a
+    killed worker can end INTERNAL)."""
     code = exc.code()
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+    if code == grpc.StatusCode.UNAUTHENTICATED:
         return error_for(code.name, message)
     if code == grpc.StatusCode.ABORTED:
         return errors.WorkerRestarted(message)
@@ -63,13 +68,15 @@ class Op:
     __slots__ = ("_send",)
 
     def __init__(self, send):
-        self._send = send  # the coroutine that sends the operation and returns its future
+        # makes the coroutine that sends the operation and returns its future:
+        # an Op never issued leaves no coroutine behind
+        self._send = send
 
     async def issue(self) -> asyncio.Future:
-        return await self._send
+        return await self._send()
 
     async def result(self):
-        return await (await self._send)
+        return await (await self._send())
 
 
 class _Ops:
@@ -92,33 +99,33 @@ class _Ops:
         return self._track(await self._send(name, **fields))
 
     def decode(self, seq_id: int, pos: int, tokens, draft_busy: bool = False) -> Op:
-        return Op(self._send_tracked("decode", seq_id=seq_id, pos=pos, tokens=tokens, draft_busy=draft_busy))
+        return Op(partial(self._send_tracked, "decode", seq_id=seq_id, pos=pos, tokens=tokens, draft_busy=draft_busy))
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> Op:
-        return Op(self._send("seq_rm", seq_id=seq_id, p0=p0, p1=p1))
+        return Op(partial(self._send, "seq_rm", seq_id=seq_id, p0=p0, p1=p1))
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> Op:
-        return Op(self._send("seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta))
+        return Op(partial(self._send, "seq_add", seq_id=seq_id, p0=p0, p1=p1, delta=delta))
 
     def checkpoint_save(self, seq_id: int) -> Op:
-        return Op(self._send("checkpoint_save", seq_id=seq_id))
+        return Op(partial(self._send, "checkpoint_save", seq_id=seq_id))
 
     def checkpoint_restore(self, handle: int, drop: bool = False) -> Op:
-        return Op(self._send("checkpoint_restore", handle=handle, drop=drop))
+        return Op(partial(self._send, "checkpoint_restore", handle=handle, drop=drop))
 
     def checkpoint_drop(self, handle: int) -> Op:
-        return Op(self._send("checkpoint_drop", handle=handle))
+        return Op(partial(self._send, "checkpoint_drop", handle=handle))
 
     def state(self, seq_id: int) -> Op:
-        return Op(self._send("get_seq_state", seq_id=seq_id))
+        return Op(partial(self._send, "get_seq_state", seq_id=seq_id))
 
     def clear(self, seq_id: int) -> Op:
-        return Op(self._send("clear", seq_id=seq_id))
+        return Op(partial(self._send, "clear", seq_id=seq_id))
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
                draft_busy: bool = False, draft_q=()) -> Op:
         """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative sampling."""
-        return Op(self._send_tracked("verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
+        return Op(partial(self._send_tracked, "verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
                                      sample_index=sample_index, trim=trim, draft_busy=draft_busy,
                                      draft_q=list(draft_q)))
 
@@ -127,7 +134,7 @@ class _Ops:
         """`sampling`: sample the drafts (and return their q) for the request's
         token `sample_index` on; None: the draft's most likely tokens."""
         extra = {} if sampling is None else {"sampling": sampling, "sample_index": sample_index}
-        return Op(self._send_tracked("propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
+        return Op(partial(self._send_tracked, "propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
                                      n_min=n_min, p_min=p_min, **extra))
 
 
@@ -136,13 +143,15 @@ class GrpcWorker(_Ops):
 
     def __init__(self, address: str, name: str, channel: grpc.aio.Channel | None = None, timeout: float = 30.0,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
-                 api_key: str | None = None):
+                 api_key: str | None = None, owner: str = ""):
         """`credentials` (specd.security.channel_credentials): TLS, with a
         client certificate for workers that require one (mTLS); None: plaintext.
         `server_name`: the name to expect in the worker's certificate when it
         is not the host of `address`. `api_key`: sent with every Worker call,
-        for workers started with --api-key-file."""
+        for workers started with --api-key-file. `owner`: the router's id,
+        which leases the worker to it (specd.ownership); a new one by default."""
         self.address = address
+        self.owner = owner or uuid.uuid4().hex
         self.name = name
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", 64 << 20)]
@@ -255,7 +264,7 @@ class GrpcWorker(_Ops):
                 call.cancel()
 
     def _open(self) -> None:
-        metadata = ((INSTANCE_KEY, self.instance_id),) if self.instance_id else None
+        metadata = ((OWNER_KEY, self.owner),) + (((INSTANCE_KEY, self.instance_id),) if self.instance_id else ())
         call = self._call = self._stub.Execute(metadata=metadata)
         if self._writer is not None:
             self._writer.cancel()
@@ -298,10 +307,18 @@ class GrpcWorker(_Ops):
                 fut.exception()  # mark retrieved: the owner may be gone
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
         if self._writer is not None:
             self._writer.cancel()
+        if self._call is not None:
+            # end the stream rather than cancel it: the worker then frees its
+            # lease at once (specd.ownership) for the router that replaces this one
+            try:
+                await asyncio.wait_for(self._call.done_writing(), 1.0)
+                if self._reader is not None:
+                    await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+            except Exception:  # a broken stream or a worker that does not answer: cancel it
+                pass
+            self._call.cancel()
         if self._reader is not None:
             self._reader.cancel()
             try:

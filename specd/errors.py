@@ -46,6 +46,12 @@ class ResourceExhausted(SpecdError):
         self.retry_after = retry_after
 
 
+class PermissionDenied(SpecdError):
+    """The worker belongs to another router (specd.ownership)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Unimplemented(SpecdError):
     code = "UNIMPLEMENTED"
 

@@ -27,6 +27,11 @@ MAX_MESSAGE = 64 << 20
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LIVENESS = "liveness"
+# Ping idle connections so that a peer that vanished without closing them (a
+# node lost, a partition) ends its streams within about half a minute: a
+# worker's lease to its router (specd.ownership) then runs out.
+KEEPALIVE = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+             ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
 
 
 class Lifecycle:
@@ -73,7 +78,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", max_receive_bytes),
-                 ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.so_reuseport", 0)],
+                 ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.so_reuseport", 0), *KEEPALIVE],
     )
     services = register(server)
     health_servicer = health.aio.HealthServicer()

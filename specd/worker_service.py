@@ -16,6 +16,7 @@ import grpc
 from specd import codec
 from specd.engine import Steps
 from specd.errors import InvalidArgument, SpecdError, Unimplemented
+from specd.ownership import OWNER_KEY, Ownership
 from specd.scheduler import BATCHABLE, EngineRunner, QueueBounds, Scheduler, Window, op_key
 from specd.worker.v1 import worker_pb2 as pb
 from specd.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -104,8 +105,17 @@ def op_tokens(op: pb.WorkerOp) -> int:
     return 0
 
 
-async def _unary(runner: EngineRunner, fn, request, context: grpc.aio.ServicerContext, beside: bool = False):
+def _owner(context: grpc.aio.ServicerContext) -> str | None:
+    return dict(context.invocation_metadata() or ()).get(OWNER_KEY)
+
+
+async def _unary(runner: EngineRunner, fn, request, context: grpc.aio.ServicerContext, beside: bool = False,
+                 ownership: Ownership | None = None):
+    """`ownership`: given for a call that changes sequences, which another
+    router than the worker's owner may not make."""
     try:
+        if ownership is not None:
+            ownership.check(_owner(context))
         return await (runner.run_beside(fn, request) if beside else runner.run(fn, request))
     except SpecdError as exc:
         await context.abort(codec.status_code(exc), exc.message)
@@ -130,10 +140,12 @@ def _execute_one(engine, op: pb.WorkerOp) -> pb.WorkerResult:
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, runner: EngineRunner, batch_wait: float = 0.010, bounds: QueueBounds = QueueBounds()):
+    def __init__(self, runner: EngineRunner, batch_wait: float = 0.010, bounds: QueueBounds = QueueBounds(),
+                 ownership: Ownership | None = None):
         self.runner = runner
         self.batch_wait = batch_wait
         self.bounds = bounds
+        self.ownership = ownership or Ownership()
         self.scheduler: Scheduler | None = None  # made on first use, on the server's event loop
         self.instance_id = uuid.uuid4().hex
 
@@ -143,31 +155,31 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return info
 
     async def Decode(self, request, context):
-        return await _unary(self.runner, UNARY["decode"], request, context)
+        return await _unary(self.runner, UNARY["decode"], request, context, ownership=self.ownership)
 
     async def SeqRm(self, request, context):
-        return await _unary(self.runner, UNARY["seq_rm"], request, context)
+        return await _unary(self.runner, UNARY["seq_rm"], request, context, ownership=self.ownership)
 
     async def SeqAdd(self, request, context):
-        return await _unary(self.runner, UNARY["seq_add"], request, context)
+        return await _unary(self.runner, UNARY["seq_add"], request, context, ownership=self.ownership)
 
     async def SeqCp(self, request, context):
-        return await _unary(self.runner, UNARY["seq_cp"], request, context)
+        return await _unary(self.runner, UNARY["seq_cp"], request, context, ownership=self.ownership)
 
     async def CheckpointSave(self, request, context):
-        return await _unary(self.runner, UNARY["checkpoint_save"], request, context)
+        return await _unary(self.runner, UNARY["checkpoint_save"], request, context, ownership=self.ownership)
 
     async def CheckpointRestore(self, request, context):
-        return await _unary(self.runner, UNARY["checkpoint_restore"], request, context)
+        return await _unary(self.runner, UNARY["checkpoint_restore"], request, context, ownership=self.ownership)
 
     async def CheckpointDrop(self, request, context):
-        return await _unary(self.runner, UNARY["checkpoint_drop"], request, context)
+        return await _unary(self.runner, UNARY["checkpoint_drop"], request, context, ownership=self.ownership)
 
     async def GetSeqState(self, request, context):
         return await _unary(self.runner, UNARY["get_seq_state"], request, context)
 
     async def Clear(self, request, context):
-        return await _unary(self.runner, UNARY["clear"], request, context)
+        return await _unary(self.runner, UNARY["clear"], request, context, ownership=self.ownership)
 
     async def Tokenize(self, request, context):
         def fn(e, r):
@@ -203,6 +215,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED,
                                 f"this worker is instance {self.instance_id}, not {expected}: it restarted and "
                                 f"holds none of the sequences the caller knew")
+        owner = _owner(context)
+        try:
+            self.ownership.open(owner)
+        except SpecdError as exc:
+            await context.abort(codec.status_code(exc), exc.message)
+        clean = False
+        try:
+            clean = await self._execute(context)
+        finally:
+            self.ownership.close(owner, clean)
+
+    async def _execute(self, context) -> bool:
+        """Run the stream's operations; True when the caller ended it."""
         if self.scheduler is None:
             self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens, gather_max=self.batch_wait,
                                        max_queued=self.bounds.queued_ops)
@@ -239,6 +264,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 results.put_nowait(self.scheduler.submit(op))
             results.put_nowait(None)
             await writer
+            return True
         finally:
             writer.cancel()
 
@@ -246,31 +272,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str, batch_wait: float = 0.010,
                     bounds: QueueBounds = QueueBounds()) -> list[str]:
     """Add the Worker service and the role's own service; return their names."""
-    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, batch_wait, bounds), server)
+    ownership = Ownership()
+    pb_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, batch_wait, bounds, ownership), server)
     names = [pb.DESCRIPTOR.services_by_name["Worker"].full_name]
     if role == "target":
-        pb_grpc.add_TargetWorkerServicer_to_server(TargetServicer(runner), server)
+        pb_grpc.add_TargetWorkerServicer_to_server(TargetServicer(runner, ownership), server)
         names.append(pb.DESCRIPTOR.services_by_name["TargetWorker"].full_name)
     else:
-        pb_grpc.add_DraftWorkerServicer_to_server(DraftServicer(runner), server)
+        pb_grpc.add_DraftWorkerServicer_to_server(DraftServicer(runner, ownership), server)
         names.append(pb.DESCRIPTOR.services_by_name["DraftWorker"].full_name)
     return names
 
 
 class TargetServicer(pb_grpc.TargetWorkerServicer):
-    def __init__(self, runner: EngineRunner):
+    def __init__(self, runner: EngineRunner, ownership: Ownership):
         self.runner = runner
+        self.ownership = ownership
 
     async def Verify(self, request, context):
-        return await _unary(self.runner, UNARY["verify"], request, context)
+        return await _unary(self.runner, UNARY["verify"], request, context, ownership=self.ownership)
 
 
 class DraftServicer(pb_grpc.DraftWorkerServicer):
-    def __init__(self, runner: EngineRunner):
+    def __init__(self, runner: EngineRunner, ownership: Ownership):
         self.runner = runner
+        self.ownership = ownership
 
     async def Propose(self, request, context):
-        return await _unary(self.runner, UNARY["propose"], request, context)
+        return await _unary(self.runner, UNARY["propose"], request, context, ownership=self.ownership)
 
 
 async def serve_worker(cfg, make_engine: Callable[[], Any]) -> None:
