@@ -32,6 +32,7 @@ class DraftLink:
         self.router = router
         self.info: ModelInfo | None = None
         self.up = False
+        self.serving = True  # its health (router.health): new sessions skip a draining draft
         # counts (re)attaches: each empties the draft, so a session
         # holding an older epoch starts the draft over from position 0
         self.epoch = 0

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Callable
 
 from specd.engine import MAX_DRAFT, ModelInfo
 from specd.errors import InvalidArgument, SpecdError, Unavailable, WorkerRestarted
-from specd.router import alignment, step
+from specd.router import alignment, health, step
 from specd.router.adaptive import Controller
 from specd.router.draft import DraftLink
 from specd.router.load import RecentPeak
@@ -59,6 +59,7 @@ class Router:
         self.pool: SeqPool | None = None
         self.controller = Controller()
         self.peak = RecentPeak()  # of all sessions: the draft's load as adaptive speculation sees it
+        self._followers: list[asyncio.Task] = []  # router.health.follow of each remote worker
 
     # ---------------------------------------------------------------- start
     @property
@@ -68,7 +69,13 @@ class Router:
 
     @property
     def draft_up(self) -> bool:
-        return self.draft.up
+        """Whether new sessions draft: attached and not draining."""
+        return self.draft.up and self.draft.serving
+
+    @property
+    def can_serve(self) -> bool:
+        """Whether a new request would find a target: what readiness says."""
+        return self.pool is not None and self.targets.can_serve
 
     @property
     def draft_info(self) -> ModelInfo | None:
@@ -78,9 +85,31 @@ class Router:
         """Learn the models; refuse a draft (or further target) whose
         vocabulary differs. Needs one target answering; targets and a draft
         that do not answer are attached later by watchers."""
+        self._follow_health()
         await self.targets.start()
         if self.draft.client is not None:
             await self.draft.start()
+
+    def _follow_health(self) -> None:
+        """Watch each remote worker's health (router.health); once."""
+        if self._followers:
+            return
+        loop = asyncio.get_running_loop()
+        for t in self.targets:
+            if getattr(t.client, "channel", None) is not None:
+                self._followers.append(loop.create_task(
+                    health.follow(t.client.channel, t.name, lambda ok, t=t: setattr(t, "serving", ok))))
+        d = self.draft
+        if getattr(d.client, "channel", None) is not None:
+            self._followers.append(loop.create_task(
+                health.follow(d.client.channel, "draft", lambda ok: setattr(d, "serving", ok))))
+
+    async def close(self) -> None:
+        """Stop watching the workers (the caller closes their clients)."""
+        for task in self._followers:
+            task.cancel()
+        await asyncio.gather(*self._followers, return_exceptions=True)
+        self._followers = []
 
     async def _attach_draft(self) -> None:
         """Attach the draft worker (again): DraftLink.attach."""
@@ -177,8 +206,7 @@ class Router:
     async def _open(self, p: GenParams, result: Result) -> Session:
         """A session for a valid request, on a sequence id and a live target."""
         self.validate(p)
-        if not any(t.up for t in self.targets):
-            raise Unavailable("no target worker is available")
+        self.targets.open_to_new()  # fail now, not after queueing, when no target takes sessions
         seq = await self.pool.acquire(p.prompt)
         s = Session(seq, p, result)
         try:
@@ -222,14 +250,15 @@ class Router:
                     if not self._can_shift(s.p):
                         return None
                     await alignment.context_shift(self, s)
-                n_before, draft_before = len(s.ctx), s.use_draft
+                n_before = len(s.ctx)
                 return await step.run(self, s, room)
             except SpecdError as exc:
                 if not self.targets.lost(s, exc):
                     raise  # a deadline, a refusal: this session fails alone
                 if n_before is not None:
-                    del s.ctx[n_before:]  # the failed step's tokens were not handed out
-                    s.use_draft = draft_before  # the failover cuts the draft back as it stood before the step
+                    # the failed step's tokens were not handed out; a draft that
+                    # failed in the same step stays off (DraftLink.failed)
+                    del s.ctx[n_before:]
                 await self._failover(s, exc)
 
     async def _failover(self, s: Session, exc: SpecdError) -> None:

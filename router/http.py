@@ -5,8 +5,8 @@ router/http_server.py).
 - POST /v1/chat/completions, POST /v1/completions: one JSON answer, or with
   `stream` Server-Sent Events ending with `data: [DONE]`;
 - GET /v1/models: the target model;
-- GET /health: 200 while the router can serve (ready, a target up, not
-  shutting down), 503 otherwise; open without an API key, for probes.
+- GET /health: 200 while the router can serve (ready, a target taking
+  sessions, not shutting down), 503 otherwise; open without an API key, for probes.
 
 A request body becomes the GenerateRequest a gRPC client would send
 (router/openai_api.py) and runs through RouterServicer.generate: the same
@@ -28,8 +28,6 @@ import pathlib
 import time
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -93,20 +91,19 @@ class HttpApi:
                   Route("/health", self.health, methods=["GET"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
 
-    async def serving(self) -> bool:
-        """Ready, not shutting down, and a target that answers its health
-        check: a target that died while no request ran is not marked down."""
+    def serving(self) -> bool:
+        """Ready, not shutting down, and a target taking sessions (whose
+        health the router watches: router.health)."""
         if not self.servicer.ready or (self.stopping is not None and self.stopping.is_set()):
             return False
-        live = [t.client for t in self.servicer.router.targets if t.up]
-        return any(await asyncio.gather(*(_answers(c) for c in live)))
+        return self.servicer.router.can_serve
 
     def model_id(self) -> str:
         info = self.servicer.router.target_info
         return pathlib.Path(info.model_path).stem if info is not None and info.model_path else "specd"
 
     async def health(self, request: Request) -> Response:
-        ok = await self.serving()
+        ok = self.serving()
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     async def models(self, request: Request) -> Response:
@@ -150,19 +147,6 @@ class HttpApi:
     def _count(self, exc: SpecdError) -> None:
         if self.servicer.metrics is not None:
             self.servicer.metrics.requests.labels(outcome=exc.code.lower(), protocol="http").inc()
-
-
-async def _answers(worker, timeout: float = 1.0) -> bool:
-    """Whether a worker's gRPC health says SERVING. Its server answers from
-    its event loop, not behind the model's work, so a busy worker answers."""
-    channel = getattr(worker, "channel", None)
-    if channel is None:  # in-process
-        return True
-    try:
-        r = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-    except grpc.aio.AioRpcError:
-        return False
-    return r.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from specd.router.clients import GrpcWorker
 from specd.router.engine import Router
@@ -39,9 +40,25 @@ async def connect(router: Router, stopping: asyncio.Event) -> None:
         except FailedPrecondition:
             raise
         except SpecdError as exc:
-            log.info("waiting for workers: %s", exc)
+            log.warning("waiting for workers: %s", exc)
         await asyncio.sleep(delay)
         delay = min(delay * 1.5, 5.0)
+
+
+async def follow_readiness(router: Router, life, interval: float = 0.5) -> None:
+    """The router's health (readiness) says SERVING while a target takes new
+    sessions (router.health follows the workers' own), until it stops."""
+    serving = None
+    while not life.stopping.is_set():
+        now = router.can_serve
+        if now != serving:
+            if serving is not None:
+                log.warning("router %s: %s", "serving again" if now else "NOT_SERVING",
+                            "a target takes sessions" if now else "no target takes new sessions")
+            serving = now
+            await life.set_serving(now)
+        await asyncio.sleep(interval)
+    await life.set_serving(False)  # Lifecycle.stop said it first; a change read before must not undo it
 
 
 async def serve(cfg: RouterConfig) -> None:
@@ -62,9 +79,11 @@ async def serve(cfg: RouterConfig) -> None:
     except ValueError as exc:
         raise ConfigError(f"specd router: {exc}") from None
 
+    router_id = uuid.uuid4().hex  # leases the workers to this router (specd.ownership)
+
     def worker(address: str, name: str) -> GrpcWorker:
         return GrpcWorker(address, name, timeout=cfg.worker_timeout, credentials=worker_creds,
-                          server_name=cfg.worker_tls_server_name, api_key=worker_key)
+                          server_name=cfg.worker_tls_server_name, api_key=worker_key, owner=router_id)
 
     addresses = [a.strip() for a in cfg.target.split(",") if a.strip()]
     targets = [worker(a, "target" if len(addresses) == 1 else f"target {i}") for i, a in enumerate(addresses)]
@@ -85,6 +104,7 @@ async def serve(cfg: RouterConfig) -> None:
     # the OpenAI-compatible API over the same servicer; its /health says 503 until ready
     http = await start_http(cfg, servicer, api_keys, life.stopping)
     life.install_signal_handlers()
+    readiness: asyncio.Future | None = None  # follow_readiness, once connected
     try:
         await connect(router, life.stopping)
     except FailedPrecondition as exc:
@@ -96,14 +116,18 @@ async def serve(cfg: RouterConfig) -> None:
         metrics.sessions_running.set_function(lambda: router.pool.n_running)
         metrics.sessions_queued.set_function(lambda: len(router.pool.waiters))
         metrics.prompt_cache_tokens.set_function(lambda: sum(len(t) for t in router.pool.cached.values()))
-        metrics.targets_up.set_function(lambda: sum(t.up for t in router.targets))
+        metrics.targets_up.set_function(lambda: sum(t.up and t.serving for t in router.targets))
         servicer.ready = True
-        await life.set_serving(True)
-        log.info("router ready: target %s%s%s%s", cfg.target, f", draft {cfg.draft}" if cfg.draft else " (no draft)",
+        readiness = asyncio.ensure_future(follow_readiness(router, life))
+        log.info("router %s ready: target %s%s%s%s", router_id, cfg.target,
+                 f", draft {cfg.draft}" if cfg.draft else " (no draft)",
                  ", workers over TLS" if worker_creds is not None else "",
                  ", API keys required" if interceptors else "")
 
     async def close():
+        if readiness is not None:
+            readiness.cancel()
+        await router.close()
         if http is not None:
             await http.stop()  # before the workers: in-flight HTTP streams still use them
         for target in targets:

@@ -28,6 +28,9 @@ class TargetSlot:
     name: str
     info: ModelInfo | None = None
     up: bool = False
+    # its health (router.health): False while it drains or loads; it then
+    # keeps the sessions it has and gets no new ones
+    serving: bool = True
     n_active: int = 0  # sessions on it
     peak: RecentPeak = field(default_factory=RecentPeak)  # of n_active: the load adaptive speculation sees
     watching: bool = False
@@ -139,13 +142,25 @@ class TargetSet:
         finally:
             t.watching = False
 
+    @property
+    def can_serve(self) -> bool:
+        """Whether a new session would find a target."""
+        return any(t.up and t.serving for t in self.slots)
+
+    def open_to_new(self) -> list[TargetSlot]:
+        """The targets a new session may go to; Unavailable when none."""
+        live = [t for t in self.slots if t.up and t.serving]
+        if not live:
+            if any(t.up for t in self.slots):
+                raise Unavailable("no target worker takes new sessions: every one is draining or restarting")
+            raise Unavailable("no target worker is available")
+        return live
+
     def pick(self, seq: int) -> TargetSlot:
         """The least busy live target; the one holding this sequence's prompt
         cache when it is about as free."""
         pool = self.router.pool
-        live = [t for t in self.slots if t.up]
-        if not live:
-            raise Unavailable("no target worker is available")
+        live = self.open_to_new()
         best = min(live, key=lambda t: t.n_active)
         holder = pool.cached_on.get(seq)
         if holder in live and holder.n_active <= best.n_active + 1:
@@ -172,7 +187,8 @@ class TargetSet:
         while True:
             old = s.tgt
             await self.failed(old, exc, s.t_epoch)
-            live = [t for t in self.slots if t.up]
+            # a draining target takes a moved session only when no other can
+            live = [t for t in self.slots if t.up and t.serving] or [t for t in self.slots if t.up]
             if not live:
                 raise exc if isinstance(exc, Unavailable) else Unavailable(f"no target worker is available: {exc}")
             s.drop_pending_t()

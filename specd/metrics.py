@@ -163,7 +163,7 @@ class RouterPrometheus:
         self.sessions_queued = Gauge("specd_sessions_queued", "Sessions waiting for a sequence", registry=r)
         self.prompt_cache_tokens = Gauge("specd_prompt_cache_tokens",
                                          "Tokens free sequences keep on their target for the prompt cache", registry=r)
-        self.targets_up = Gauge("specd_target_workers_up", "Target workers in use", registry=r)
+        self.targets_up = Gauge("specd_target_workers_up", "Target workers taking new sessions (attached, not draining)", registry=r)
         self.draft_up = Gauge("specd_draft_worker_up", "1 when the draft worker is in use", registry=r)
         self.divergences = Counter("specd_router_divergences", "Divergences the alignment check found, by worker "
                                    "(target: the request fails; draft: re-synced from the history)", ["worker"],
