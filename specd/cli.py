@@ -18,9 +18,9 @@ def _worker(role: str, args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     cfg = C.build(C.WorkerConfig, args, role=role)
     if not cfg.model and not cfg.ngram:
-        from specd.models import default_models
+        from specd.models import default_model
 
-        cfg.model = default_models()[role]
+        cfg.model = default_model(role)
     if role == "target":
         from specd.target_worker.server import serve
     else:
@@ -54,11 +54,11 @@ def _models(args: argparse.Namespace) -> int:
 
 def _place_model(args: argparse.Namespace) -> int:
     from specd.model_volume import NoModel, place
-    from specd.models import default_models
+    from specd.models import default_model
 
     if not args.role:
         raise SystemExit("specd models: --link needs --role (target or draft)")
-    prepare = (lambda: default_models()[args.role]) if args.default else None
+    prepare = (lambda: default_model(args.role)) if args.default else None
     try:
         placed = place(args.link, prepare)
     except NoModel as exc:

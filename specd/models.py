@@ -75,21 +75,29 @@ def derive(src: pathlib.Path, dst: pathlib.Path, ftype: str, threads: int = 2, q
     return dst
 
 
-def default_models(quiet: bool = False) -> dict[str, str]:
-    """Prepare (once) and return {"target": path, "draft": path}."""
+def default_model(role: str, quiet: bool = False) -> str:
+    """Prepare (once) the default model of `role` ("target" or "draft") alone
+    and return its path: a draft's pod needs no F32 target."""
     root = cache_dir() / "models"
-    src = smollm2_source()
     draft = root / SMOLLM2_FILE
     if not draft.is_file():
+        src = smollm2_source()
         root.mkdir(parents=True, exist_ok=True)
         _say(f"copying the draft {src.name} into {root} ...", quiet)
         tmp = draft.with_suffix(f".tmp{os.getpid()}")
         shutil.copyfile(src, tmp)
         os.replace(tmp, draft)
-    target = derive(draft, root / "SmolLM2-135M-Instruct.F32.gguf", "F32", quiet=quiet)
-    _say(f"target {target}", quiet)
-    _say(f"draft  {draft}", quiet)
-    return {"target": str(target), "draft": str(draft)}
+    if role == "draft":
+        return str(draft)
+    return str(derive(draft, root / "SmolLM2-135M-Instruct.F32.gguf", "F32", quiet=quiet))
+
+
+def default_models(quiet: bool = False) -> dict[str, str]:
+    """Prepare (once) and return {"target": path, "draft": path}."""
+    out = {role: default_model(role, quiet) for role in ("draft", "target")}
+    _say(f"target {out['target']}", quiet)
+    _say(f"draft  {out['draft']}", quiet)
+    return out
 
 
 def derived_model(ftype: str, quiet: bool = False) -> str:

@@ -52,3 +52,15 @@ def test_the_cli_keeps_or_refuses_in_one_line(tmp_path):
     path.write_bytes(b"GGUF mine")
     r = run("--link", str(path), "--role", "draft", "--default")
     assert r.returncode == 0 and "kept" in r.stderr and path.read_bytes() == b"GGUF mine"
+
+
+def test_the_draft_default_prepares_the_draft_alone(tmp_path):
+    # a draft's init container must not derive the F32 target (seconds of
+    # CPU and half a GiB of a volume it never reads)
+    path = tmp_path / "draft.gguf"
+    env = {**os.environ, "SPECD_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "specd", "models", "--link", str(path), "--role", "draft", "--default"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert path.is_symlink() and path.read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
