@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--target-threads", type=int, default=1)
     p.add_argument("--target-threads-batch", type=int, default=os.cpu_count() or 1,
-                   help="target threads for multi-token batches (default: all cores, as `specd up`)")
+                   help="target threads while the draft does not compute (default: all cores, as `specd up`)")
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--out", default="results", help="folder for bench.json, bench.md, bench.png")

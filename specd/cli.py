@@ -194,9 +194,9 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="", help="target GGUF (default: the default target)")
     p.add_argument("--draft-model", default="", help="draft GGUF (default: the default draft)")
     p.add_argument("--ngram", default="", help="use a model-free drafter instead of a draft model")
-    p.add_argument("--target-threads", type=int, default=0, help="default: cores - 1")
+    p.add_argument("--target-threads", type=int, default=0, help="target threads while the draft computes (default: cores - 1)")
     p.add_argument("--target-threads-batch", type=int, default=0,
-                   help="target threads for multi-token batches (default: all cores, or --target-threads if given)")
+                   help="target threads while the draft does not compute (default: all cores, or --target-threads if given)")
     p.add_argument("--draft-threads", type=int, default=0, help="default: 1")
     p.add_argument("--n-ctx", type=C.at_least(C.MIN_N_CTX), default=2048,
                    help="context of ONE sequence, in positions (llama.cpp's -c is the total over its slots: each "

@@ -183,9 +183,10 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
         add(p, "--ngram-cache", str, "", "file the `cache` drafter loads its static n-gram cache from")
         add(p, "--n-vocab", int, 0, "n-gram drafter: vocabulary size of the target; token ids at or above it "
             "are refused (0: any non-negative id)")
-    add(p, "--threads", at_least(1), 1, "threads for decoding; set it explicitly when processes share cores")
-    add(p, "--threads-batch", at_least(0), 0, "threads for batches of more than one token (prompts, verifications, "
-        "batched sessions), as llama.cpp's --threads-batch (0: --threads)")
+    add(p, "--threads", at_least(1), 1, "threads for decoding while the router says the draft computes "
+        "on the cores --threads-batch borrows; set it explicitly when processes share cores")
+    add(p, "--threads-batch", at_least(0), 0, "threads for every decode (single tokens too) while the draft "
+        "does not compute: prompts, verifications, batched sessions, a target alone (0: --threads)")
     add(p, "--n-ctx", at_least(MIN_N_CTX), 2048, "context of ONE sequence, in positions (llama.cpp's -c is the "
         "total split over its slots: this worker allocates --n-ctx × --n-seq)")
     add(p, "--n-seq", int, 4, "sequences hosted at once")

@@ -254,12 +254,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def default_threads() -> tuple[int, int, int]:
     """Target threads, target batch threads and draft threads for one machine.
 
-    The draft keeps one core. Batches of more than one token (prompts,
-    verifications, several sessions) take every core: while the target
-    verifies, the draft mostly waits for the result, and with drafting off
-    (target-only, or adaptive under load) it idles. Single tokens stay on the
-    target's own cores: for them a second thread costs more in wake-ups and
-    contention with the router than it saves (docs/perf/load).
+    The draft keeps one core while it computes. Otherwise the target
+    decodes on every core, single tokens included: while it verifies, the
+    draft mostly waits for the result, and with drafting off (target-only,
+    or adaptive under load) it idles. A single token is memory-bound and an
+    idle core reads half the weights for it (docs/perf). The worker drops to
+    its base threads whenever the router says the draft is computing.
     """
     n = os.cpu_count() or 2
     return max(1, n - 1), n, 1

@@ -104,7 +104,8 @@ class LlamaModel:
         self.kv_unified = config.kv_unified
         # as configured: single tokens, batches of more than one
         self.threads = (int(L.llama_n_threads(self._ctx)), int(L.llama_n_threads_batch(self._ctx)))
-        self._batch_threads = self.threads[1]
+        self._threads_now = self.threads[0]
+        self.share_cores(False)
         self.is_recurrent = bool(L.llama_model_is_recurrent(self._model)) or bool(
             L.llama_model_is_hybrid(self._model)
         )
@@ -116,20 +117,20 @@ class LlamaModel:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
 
-    def threads_for(self, n_tokens: int) -> int:
-        """Threads llama.cpp decodes a batch of n_tokens on now (per ubatch:
-        n_threads for one token)."""
-        return self.threads[0] if n_tokens == 1 else self._batch_threads
+    def threads_for(self, n_tokens: int) -> int:  # noqa: ARG002 - every size runs on the same threads now
+        """Threads llama.cpp decodes a batch of n_tokens on now."""
+        return self._threads_now
 
     def share_cores(self, shared: bool) -> None:
-        """Decode batches on the batch threads, or, while another process
-        computes on the cores those borrow (`shared`), on the base threads:
-        more threads than cores make llama.cpp's threads spin at every
-        barrier waiting for a descheduled one."""
+        """Decode on the batch threads, single tokens included, or, while
+        another process computes on the cores those borrow (`shared`), on the
+        base threads: more threads than cores make llama.cpp's threads spin
+        at every barrier waiting for a descheduled one. A single token is
+        memory-bound, so an idle core read more weights for it (docs/perf)."""
         n = self.threads[0] if shared else self.threads[1]
-        if n != self._batch_threads:
-            L.llama_set_n_threads(self._ctx, self.threads[0], n)
-            self._batch_threads = n
+        if n != self._threads_now:
+            L.llama_set_n_threads(self._ctx, n, n)
+            self._threads_now = n
 
     # ----------------------------------------------------------------- batch
     def _setup_batch(self, n: int) -> None:
