@@ -123,11 +123,12 @@ class _Ops:
         return Op(partial(self._send, "clear", seq_id=seq_id))
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-               draft_busy: bool = False, draft_q=()) -> Op:
-        """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative sampling."""
+               draft_busy: bool = False, draft_q=(), n_more: int = 0) -> Op:
+        """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative
+        sampling; `n_more`: tokens the target may generate on its own after its next."""
         return Op(partial(self._send_tracked, "verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
-                                     sample_index=sample_index, trim=trim, draft_busy=draft_busy,
-                                     draft_q=list(draft_q)))
+                          sample_index=sample_index, trim=trim, draft_busy=draft_busy,
+                          draft_q=list(draft_q), n_more=n_more))
 
     def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
                 sampling: Sampling | None = None, sample_index: int = 0) -> Op:

@@ -22,6 +22,10 @@ class RouterSettings:
     adaptive: bool = True
     max_queue: int = 64
     draft_wait: float = 60.0  # seconds to wait for a loading draft at start before serving target-only
+    # tokens the target generates per call when a step asks for no drafts: it
+    # goes on alone instead of waiting for a round trip per token; the
+    # client's stream gets them in groups this large (1: a call per token)
+    solo_tokens: int = 4
 
 
 @dataclass

@@ -81,7 +81,7 @@ class Verdict:
 
     @property
     def accepted(self) -> int:
-        return len(self.ver.tokens) - 1
+        return len(self.ver.tokens) - 1 - self.ver.n_more
 
 
 def session_load(r, s: Session) -> SessionLoad:
@@ -98,8 +98,8 @@ async def run(r, s: Session, remaining: int):
         s.n_t = plan.n - 1
     drafts = await _draft(r, s, plan)
     cont = await _continuation(r, s, plan, drafts, remaining)
-    verdict = await _verify(r, s, plan, drafts, cont)
-    keep = plan.n + verdict.accepted  # positions of the context after this step that are decoded
+    verdict = await _verify(r, s, plan, drafts, cont, remaining)
+    keep = plan.n + len(verdict.ver.tokens) - 1  # positions of the context after this step that are decoded
     await _reconcile_target(s, plan, drafts, verdict, keep)
     c_cont = await _take_continuation(r, s, plan, drafts, verdict, cont)
     await _roll_back_draft(r, s, drafts, keep)
@@ -200,8 +200,18 @@ async def _continuation(r, s: Session, plan: Plan, drafts: Drafts, remaining: in
 
 
 # ---------------------------------------------------------------- verify
-async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Future | None) -> Verdict:
+def solo_tokens(r, plan: Plan, n_drafts: int, remaining: int) -> int:
+    """Tokens the target may generate on its own after its next one: in a
+    step without drafts, up to solo_tokens in all, within max_tokens and the
+    context (each but the last is decoded)."""
+    if n_drafts:
+        return 0
+    return max(0, min(r.settings.solo_tokens - 1, remaining - 1, r.n_ctx - plan.n))
+
+
+async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Future | None, remaining: int) -> Verdict:
     p, tokens, q = s.p, drafts.tokens, drafts.q
+    n_more = solo_tokens(r, plan, len(tokens), remaining)
     t1 = time.perf_counter()
     ck_t = (await s.target.checkpoint_save(s.seq).issue()) if plan.ckpt and tokens else None
     draft_busy = r.draft.busy
@@ -209,7 +219,8 @@ async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Futur
         # without a distribution for every draft (n-gram, exact acceptance), exact match
         ver = await s.target.verify(s.seq, plan.n - 1, [s.ctx[-1]] + tokens, p.sampling, s.res.n_generated,
                                     not plan.ckpt, draft_busy=draft_busy,
-                                    draft_q=q if p.rejection and len(q) == len(tokens) else ()).result()
+                                    draft_q=q if p.rejection and len(q) == len(tokens) else (),
+                                    n_more=n_more).result()
     except BaseException:
         if cont is not None:  # its result no longer matters; the failover trims the draft
             cont.add_done_callback(_consume)
@@ -298,8 +309,10 @@ def _account(r, s: Session, plan: Plan, drafts: Drafts, verdict: Verdict, c_cont
     n_target, n_all = s.tgt.n_active, r.targets.n_sessions
     predicted = r.controller.predict(s.acc, plan.k, n_target, plan.hidden_now, plan.load.overlap, n_all,
                                      plan.load.lag, verify_tokens=ver.batch_tokens)
-    r.controller.observe_time(n_target, plan.k > 0, predicted, stats.step_seconds, ver.batch_tokens,
-                              verdict.draft_busy, ver.batch_seconds)
+    # a step the target went on alone in counts as that many plain steps
+    # sharing one round trip: what a plain token costs now
+    r.controller.observe_time(n_target, plan.k > 0, predicted, stats.step_seconds / (1 + ver.n_more),
+                              ver.batch_tokens, verdict.draft_busy, ver.batch_seconds)
     for obs in r.step_observers:
         obs(stats)
     if log.isEnabledFor(logging.DEBUG):

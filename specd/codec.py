@@ -158,12 +158,12 @@ def dist_from_pb(d: pb.TokenDistribution) -> TokenDist:
 def verify_pb(v: VerifyResult) -> pb.VerifyResponse:
     return pb.VerifyResponse(tokens=v.tokens, pieces=v.pieces, state=state_pb(v.state),
                              compute_seconds=v.compute_seconds, batch_tokens=v.batch_tokens,
-                             batch_seconds=v.batch_seconds)
+                             batch_seconds=v.batch_seconds, n_more=v.n_more)
 
 
 def verify_from_pb(v: pb.VerifyResponse) -> VerifyResult:
     return VerifyResult(list(v.tokens), list(v.pieces), state_from_pb(v.state), v.compute_seconds, v.batch_tokens,
-                        v.batch_seconds)
+                        v.batch_seconds, v.n_more)
 
 
 def propose_pb(p: ProposeResult) -> pb.ProposeResponse:
@@ -223,7 +223,7 @@ _ARGS: dict[str, Any] = {
     "clear": lambda r: dict(seq_id=r.seq_id),
     "verify": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens, sampling=sampling_from_pb(r.sampling),
                              sample_index=r.sample_index, trim=r.trim,
-                             draft_q=[dist_from_pb(d) for d in r.draft_q]),
+                             draft_q=[dist_from_pb(d) for d in r.draft_q], n_more=r.n_more),
     # sampling unset: the draft proposes its most likely tokens
     "propose": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens, n_max=r.n_max, n_min=r.n_min,
                               p_min=r.p_min, sampling=sampling_from_pb(r.sampling) if r.HasField("sampling") else None,

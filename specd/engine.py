@@ -105,6 +105,7 @@ class VerifyResult:
     compute_seconds: float = 0.0
     batch_tokens: int = 0  # of the llama_decode shared with other sequences
     batch_seconds: float = 0.0
+    n_more: int = 0  # of tokens, at their end, generated after the target's next token (VerifyRequest.n_more)
 
 
 @dataclass

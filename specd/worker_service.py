@@ -98,10 +98,11 @@ def _op_key(op: pb.WorkerOp):
 
 
 def op_tokens(op: pb.WorkerOp) -> int:
-    """Tokens an operation decodes (0 for pure KV bookkeeping)."""
+    """Tokens an operation decodes, at most (0 for pure KV bookkeeping)."""
     which = op.WhichOneof("op")
     if which in BATCHABLE:
-        return len(getattr(op, which).tokens)
+        r = getattr(op, which)
+        return len(r.tokens) + (r.n_more if which == "verify" else 0)
     return 0
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from specd.engine import Capabilities, Steps, VerifyResult
-from specd.errors import FailedPrecondition, InvalidArgument
+from specd.errors import FailedPrecondition, InvalidArgument, SpecdError
 from specd.model_engine import ModelEngine
 from specd.sampling import Sampling, accept, check_draft_q
 
@@ -14,18 +16,21 @@ class TargetEngine(ModelEngine):
     capabilities = Capabilities(verifies=True, vocabulary=True, chat_template=True)
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-               draft_q=()) -> VerifyResult:
-        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim, draft_q))
+               draft_q=(), n_more: int = 0) -> VerifyResult:
+        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim, draft_q, n_more))
 
     def verify_steps(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int,
-                     trim: bool, draft_q=()) -> Steps:
+                     trim: bool, draft_q=(), n_more: int = 0) -> Steps:
         """Verify as steps, so verifications of several sequences share one batch.
-        `draft_q`: the drafts' distributions for speculative sampling; empty: exact match."""
+        `draft_q`: the drafts' distributions for speculative sampling; empty: exact match.
+        `n_more`: then go on alone for up to that many tokens (_go_on)."""
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         sampling.validate()
         if sample_index < 0:
-            raise InvalidArgument(f"sample_index must be >= 0, got {sample_index}")
+            raise InvalidArgument(f"sample_index must be >= 0, got {sample_index}", field="sample_index")
+        if n_more < 0:
+            raise InvalidArgument(f"n_more must be >= 0, got {n_more}", field="n_more")
         self.check_batch(len(toks))
         self._check_append(seq, pos, len(toks))
         n_draft = len(toks) - 1
@@ -38,5 +43,25 @@ class TargetEngine(ModelEngine):
         n_accepted = len(out) - 1
         if trim and n_accepted < n_draft:
             self.seq_rm(seq_id, pos + 1 + n_accepted, -1)
+        n_own = len(out)
+        if n_more:
+            yield from self._go_on(seq_id, out, sampling, sample_index, n_more)
         n_batch, s_batch = self.round_cost.get(seq_id, (0, 0.0))
-        return VerifyResult(out, self.pieces(out), self.state(seq_id), time.perf_counter() - t0, n_batch, s_batch)
+        return VerifyResult(out, self.pieces(out), self.state(seq_id), time.perf_counter() - t0, n_batch, s_batch,
+                            len(out) - n_own)
+
+    def _go_on(self, seq_id: int, out: list[int], sampling: Sampling, sample_index: int, n_more: int) -> Steps:
+        """Decode out's last token and sample the next, up to n_more times,
+        appending to `out`; stop after an end-of-generation token or at the
+        end of the context. Each decode is a round of its own, so other
+        sequences' operations batch with it."""
+        seq, eog = self.seqs[seq_id], self.model.eog_tokens
+        for _ in range(n_more):
+            pos = seq.pos_max + 1 if len(seq) else 0
+            if out[-1] in eog or pos >= self.n_ctx_seq:
+                return
+            try:
+                logits = yield from self._decode_g(seq_id, pos, np.asarray(out[-1:], dtype=np.int32), 1)
+            except SpecdError:  # e.g. no KV slot: what is there stands, the decode left nothing behind
+                return
+            out.extend(accept(logits, [], sampling, sample_index + len(out)))

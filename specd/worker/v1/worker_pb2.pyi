@@ -746,6 +746,7 @@ class VerifyRequest(_message.Message):
     TRIM_FIELD_NUMBER: _builtins.int
     DRAFT_BUSY_FIELD_NUMBER: _builtins.int
     DRAFT_Q_FIELD_NUMBER: _builtins.int
+    N_MORE_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0] (id_last); must be pos_max + 1 of the sequence."""
@@ -760,6 +761,13 @@ class VerifyRequest(_message.Message):
     """
     draft_busy: _builtins.bool
     """As DecodeRequest.draft_busy: the draft computes meanwhile."""
+    n_more: _builtins.int
+    """After its next token, decode and sample up to n_more further tokens on
+    its own, one at a time as a one-token verification would, stopping
+    after an end-of-generation token or at the end of the context: the
+    target going on alone while no drafts are asked for, without a round
+    trip per token. Other sequences' operations batch with each of them.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[id_last, d0, ..., dk-1]: the last accepted token and k drafts (k >= 0)."""
@@ -787,10 +795,11 @@ class VerifyRequest(_message.Message):
         trim: _builtins.bool = ...,
         draft_busy: _builtins.bool = ...,
         draft_q: _abc.Iterable[Global___TokenDistribution] | None = ...,
+        n_more: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -840,6 +849,7 @@ class VerifyResponse(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     BATCH_TOKENS_FIELD_NUMBER: _builtins.int
     BATCH_SECONDS_FIELD_NUMBER: _builtins.int
+    N_MORE_FIELD_NUMBER: _builtins.int
     compute_seconds: _builtins.float
     """Seconds the worker spent computing this call (decode and sampling),
     without transport or queueing.
@@ -849,9 +859,16 @@ class VerifyResponse(_message.Message):
     sequences' operations (continuous batching), and its seconds.
     """
     batch_seconds: _builtins.float
+    n_more: _builtins.int
+    """How many of `tokens`, at their end, the target generated on its own
+    after its next token (VerifyRequest.n_more); they are in the sequence
+    but the last.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Accepted drafts followed by the target's next token: n_accepted + 1 ids."""
+        """Accepted drafts followed by the target's next token (n_accepted + 1 ids)
+        and the n_more it generated after it.
+        """
 
     @_builtins.property
     def pieces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
@@ -870,10 +887,11 @@ class VerifyResponse(_message.Message):
         compute_seconds: _builtins.float = ...,
         batch_tokens: _builtins.int = ...,
         batch_seconds: _builtins.float = ...,
+        n_more: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_seconds", b"batch_seconds", "batch_tokens", b"batch_tokens", "compute_seconds", b"compute_seconds", "pieces", b"pieces", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_seconds", b"batch_seconds", "batch_tokens", b"batch_tokens", "compute_seconds", b"compute_seconds", "n_more", b"n_more", "pieces", b"pieces", "state", b"state", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

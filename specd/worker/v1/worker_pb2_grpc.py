@@ -217,6 +217,11 @@ class WorkerServicer:
         ModelInfo.instance_id it attached to: the worker then refuses the stream
         with ABORTED if it is another process, so operations meant for sequences
         a restart lost never run.
+        A router sends the metadata `specd-owner` with its own id: the worker
+        belongs to the first router that does (a lease held while it has a
+        stream open, and 10 s after its last one broke; a stream the router
+        ends itself frees the worker at once) and refuses any other router's
+        streams and calls that change sequences with PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

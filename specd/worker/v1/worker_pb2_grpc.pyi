@@ -93,6 +93,11 @@ class WorkerStub:
     ModelInfo.instance_id it attached to: the worker then refuses the stream
     with ABORTED if it is another process, so operations meant for sequences
     a restart lost never run.
+    A router sends the metadata `specd-owner` with its own id: the worker
+    belongs to the first router that does (a lease held while it has a
+    stream open, and 10 s after its last one broke; a stream the router
+    ends itself frees the worker at once) and refuses any other router's
+    streams and calls that change sequences with PERMISSION_DENIED.
     """
 
 @_typing.type_check_only
@@ -143,6 +148,11 @@ class WorkerAsyncStub(WorkerStub):
     ModelInfo.instance_id it attached to: the worker then refuses the stream
     with ABORTED if it is another process, so operations meant for sequences
     a restart lost never run.
+    A router sends the metadata `specd-owner` with its own id: the worker
+    belongs to the first router that does (a lease held while it has a
+    stream open, and 10 s after its last one broke; a stream the router
+    ends itself frees the worker at once) and refuses any other router's
+    streams and calls that change sequences with PERMISSION_DENIED.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -274,6 +284,11 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         ModelInfo.instance_id it attached to: the worker then refuses the stream
         with ABORTED if it is another process, so operations meant for sequences
         a restart lost never run.
+        A router sends the metadata `specd-owner` with its own id: the worker
+        belongs to the first router that does (a lease held while it has a
+        stream open, and 10 s after its last one broke; a stream the router
+        ends itself frees the worker at once) and refuses any other router's
+        streams and calls that change sequences with PERMISSION_DENIED.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,102 @@
+"""The target going on alone (VerifyRequest.n_more, the router's
+--solo-tokens): the tokens are those of one-token steps, token for token,
+greedy and sampled; it stops after an end-of-generation token, at the end of
+the context and within max_tokens; and the router's history, the target's KV
+and the alignment check agree afterwards."""
+from __future__ import annotations
+
+import pytest
+
+from specd.client import RouterClient
+from specd.errors import InvalidArgument
+from specd.sampling import Sampling
+
+PROMPT = "The three most important inventions in history are"
+SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    from specd.llama import LlamaConfig
+    from specd.target_worker.engine import TargetEngine
+
+    e = TargetEngine(LlamaConfig(models["target"], n_ctx_seq=64, n_seq=2, n_threads=1))
+    yield e
+    e.model.close()
+
+
+def _start(e, seq: int, text: str = PROMPT) -> tuple[int, int]:
+    """Prefill all but the prompt's last token; (position, id_last)."""
+    toks = e.tokenize(text, True, False)
+    e.clear(seq)
+    e.decode(seq, 0, toks[:-1])
+    return len(toks) - 1, toks[-1]
+
+
+def _one_at_a_time(e, seq: int, s: Sampling, n: int) -> list[int]:
+    pos, last = _start(e, seq)
+    out: list[int] = []
+    for i in range(n):
+        tok = e.verify(seq, pos, [last], s, i, True).tokens[0]
+        out.append(tok)
+        if tok in e.model.eog_tokens:
+            break
+        pos, last = pos + 1, tok
+    return out
+
+
+@pytest.mark.parametrize("s", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
+def test_going_on_alone_gives_the_tokens_of_one_token_steps(engine, s):
+    want = _one_at_a_time(engine, 0, s, 8)
+    pos, last = _start(engine, 1)
+    got = engine.verify(1, pos, [last], s, 0, True, n_more=7)
+    assert got.tokens == want and got.n_more == len(want) - 1
+    # every token but the last is in the sequence, as after one-token steps
+    assert got.state.pos_max == pos + len(want) - 1
+    assert got.pieces == [engine.model.piece(t) for t in want]
+
+
+def test_it_stops_after_an_end_of_generation_token(engine):
+    pos, last = _start(engine, 0)
+    got = engine.verify(0, pos, [last], Sampling(), 0, True, n_more=40)  # the answer ends in about 20
+    assert got.tokens[-1] in engine.model.eog_tokens
+    assert len(got.tokens) < 41 and not set(got.tokens[:-1]) & set(engine.model.eog_tokens)
+    assert got.state.pos_max == pos + len(got.tokens) - 1
+
+
+def test_it_stops_at_the_end_of_the_context(engine):
+    pos, last = _start(engine, 0, "1, 2, 3, 4, 5,")  # counting goes on past 64 positions
+    got = engine.verify(0, pos, [last], Sampling(), 0, True, n_more=500)
+    assert not set(got.tokens) & set(engine.model.eog_tokens)
+    # the last token generated is not decoded: the context holds the others
+    assert got.state.pos_max == engine.n_ctx_seq - 1
+    assert got.n_more == len(got.tokens) - 1 == engine.n_ctx_seq - 1 - pos
+
+
+def test_a_negative_n_more_is_refused_and_changes_nothing(engine):
+    pos, last = _start(engine, 0)
+    before = engine.state(0)
+    with pytest.raises(InvalidArgument) as err:
+        engine.verify(0, pos, [last], Sampling(), 0, True, n_more=-1)
+    assert err.value.field == "n_more"
+    assert engine.state(0) == before
+
+
+@pytest.fixture(scope="module")
+def solo_cluster(cluster_factory):
+    return cluster_factory(n_ctx=256, n_seq=2, router_args=["--solo-tokens", "5"])
+
+
+def test_router_steps_cover_several_tokens_within_max_tokens(solo_cluster):
+    """With the alignment check on (the factory's), every step's KV matches
+    the history; max_tokens is met exactly, and a shorter answer is a prefix
+    of a longer one."""
+    with RouterClient(solo_cluster.router_address, timeout=120) as client:
+        runs = {n: client.generate(PROMPT, max_tokens=n, speculative=False) for n in (1, 3, 7, 12)}
+        sampled = [client.generate(PROMPT, max_tokens=12, speculative=False, temperature=0.8, seed=3)
+                   for _ in range(2)]
+    for n, r in runs.items():
+        assert r.n_generated == n and r.finish_reason == "length", (n, r)
+        assert r.tokens == runs[12].tokens[:n]
+    assert runs[12].n_steps == 3  # 5 + 5 + 2 tokens: the target went on alone
+    assert sampled[0].tokens == sampled[1].tokens  # the same seed, the same sample indices
