@@ -313,7 +313,7 @@ STATS = {"examples": 0, "ops": 0}
 
 
 # about 0.2 s an example on 2 shared cores; SPECD_FUZZ_EXAMPLES runs more
-@settings(max_examples=int(os.environ.get("SPECD_FUZZ_EXAMPLES", "250")), deadline=None, database=None, print_blob=True,
+@settings(max_examples=int(os.environ.get("SPECD_FUZZ_EXAMPLES", "150")), deadline=None, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(data=st.data())
