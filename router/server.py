@@ -116,7 +116,7 @@ async def serve(cfg: RouterConfig) -> None:
         metrics.sessions_running.set_function(lambda: router.pool.n_running)
         metrics.sessions_queued.set_function(lambda: len(router.pool.waiters))
         metrics.prompt_cache_tokens.set_function(lambda: sum(len(t) for t in router.pool.cached.values()))
-        metrics.targets_up.set_function(lambda: sum(t.up and t.serving for t in router.targets))
+        metrics.targets_up.set_function(lambda: sum(t.takes_sessions for t in router.targets))
         servicer.ready = True
         readiness = asyncio.ensure_future(follow_readiness(router, life))
         log.info("router %s ready: target %s%s%s%s", router_id, cfg.target,

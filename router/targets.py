@@ -39,6 +39,11 @@ class TargetSlot:
     # one re-attach at a time: every session on a restarted worker reports it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    @property
+    def takes_sessions(self) -> bool:
+        """Attached and not draining: new sessions may go to it."""
+        return self.up and self.serving
+
 
 class TargetSet:
     """The router's target slots, iterable. `router` (engine.Router): the
@@ -145,11 +150,11 @@ class TargetSet:
     @property
     def can_serve(self) -> bool:
         """Whether a new session would find a target."""
-        return any(t.up and t.serving for t in self.slots)
+        return any(t.takes_sessions for t in self.slots)
 
     def open_to_new(self) -> list[TargetSlot]:
         """The targets a new session may go to; Unavailable when none."""
-        live = [t for t in self.slots if t.up and t.serving]
+        live = [t for t in self.slots if t.takes_sessions]
         if not live:
             if any(t.up for t in self.slots):
                 raise Unavailable("no target worker takes new sessions: every one is draining or restarting")
@@ -188,7 +193,7 @@ class TargetSet:
             old = s.tgt
             await self.failed(old, exc, s.t_epoch)
             # a draining target takes a moved session only when no other can
-            live = [t for t in self.slots if t.up and t.serving] or [t for t in self.slots if t.up]
+            live = [t for t in self.slots if t.takes_sessions] or [t for t in self.slots if t.up]
             if not live:
                 raise exc if isinstance(exc, Unavailable) else Unavailable(f"no target worker is available: {exc}")
             s.drop_pending_t()

@@ -117,8 +117,9 @@ class LlamaModel:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
 
-    def threads_for(self, n_tokens: int) -> int:  # noqa: ARG002 - every size runs on the same threads now
-        """Threads llama.cpp decodes a batch of n_tokens on now."""
+    @property
+    def threads_now(self) -> int:
+        """Threads llama.cpp decodes on now, for a batch of any size (share_cores)."""
         return self._threads_now
 
     def share_cores(self, shared: bool) -> None:

@@ -212,7 +212,7 @@ class ModelEngine(WorkerEngine):
             for i in idx:
                 self.round_cost[parts[i][0]] = (n_tokens, seconds)
             if self.on_decode is not None:
-                self.on_decode(n_tokens, seconds, len(idx), self.model.threads_for(n_tokens))
+                self.on_decode(n_tokens, seconds, len(idx), self.model.threads_now)
             last = g == len(groups) - 1
             for i, lg in zip(idx, logits):
                 out[i] = lg if last or lg is None else lg.copy()
