@@ -101,34 +101,27 @@ class QueueBounds:
 
 
 class EngineRunner:
-    """Runs engine calls one at a time.
+    """Runs engine calls one at a time, all on one dedicated thread.
 
-    Small rounds run inline on the event loop when one sequence is active: a
-    thread handoff costs more than they do.
-    Rounds that decode many tokens (prefill), or while several sequences are
-    active, run on a dedicated thread so the loop keeps reading what arrives
-    (it joins the next round) and answering health checks; a lock keeps the
-    two paths from overlapping.
+    Every llama.cpp call comes from that thread, never from the event loop:
+    libgomp keeps a thread team per calling thread, and with two teams it
+    counts more threads than cores and stops spinning at its barriers, so
+    each of a token's barriers sleeps on a futex (docs/perf, "Where a
+    token's time goes"). The loop meanwhile reads what arrives (it joins the
+    next round) and answers health checks.
     """
-
-    INLINE_MAX_TOKENS = 64
 
     def __init__(self, engine=None):
         self.engine = engine  # None while the model loads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._lock = asyncio.Lock()
 
     async def load(self, make_engine: Callable[[], Any]) -> None:
         self.engine = await asyncio.get_running_loop().run_in_executor(self._pool, make_engine)
 
-    async def run(self, fn: Callable[[Any, Any], Any], request, n_tokens: int | None = None,
-                  inline: bool = True) -> Any:
+    async def run(self, fn: Callable[[Any, Any], Any], request) -> Any:
         if self.engine is None:
             raise Unavailable("the worker is still loading its model")
-        async with self._lock:
-            if inline and n_tokens is not None and n_tokens <= self.INLINE_MAX_TOKENS:
-                return fn(self.engine, request)
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.engine, request)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.engine, request)
 
     async def run_beside(self, fn: Callable[[Any, Any], Any], request) -> Any:
         """Calls that only read the model's vocabulary (tokenize, detokenize)
@@ -147,13 +140,11 @@ class Scheduler:
     """The queue of operations in flight and the loop that runs them in rounds.
 
     `run_round(engine, window)` returns one result per `window.items`;
-    `key(op)` classifies an operation (see op_key), `n_tokens(op)` counts
-    what it decodes. At most `max_queued` operations wait for a round.
+    `key(op)` classifies an operation (see op_key). At most `max_queued`
+    operations wait for a round.
     """
 
-    RECENT = 1.0  # seconds a sequence counts as active after its last operation
-
-    def __init__(self, runner: EngineRunner, run_round, key, n_tokens,
+    def __init__(self, runner: EngineRunner, run_round, key,
                  gather_max: float = 0.010, gather_factor: float = 0.2, max_queued: int = MAX_QUEUED_OPS):
         self.runner = runner
         self.max_queued = max_queued
@@ -163,11 +154,9 @@ class Scheduler:
         self._last_seconds = 0.0
         self.run_round = run_round
         self.key = key
-        self.n_tokens = n_tokens
         self.queue: collections.deque = collections.deque()  # (op, future)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._seen: dict[int, float] = {}
         self.rounds = 0
         self.batched_ops = 0
 
@@ -185,12 +174,6 @@ class Scheduler:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return fut
-
-    def _active(self) -> int:
-        now = time.monotonic()
-        for s in [s for s, t in self._seen.items() if now - t > self.RECENT]:
-            del self._seen[s]
-        return len(self._seen)
 
     def _missing(self) -> bool:
         """Whether a sequence of the last two batches has not sent its next
@@ -222,16 +205,9 @@ class Scheduler:
                 await self._gather()
                 taken = take_window(self.queue, lambda item: self.key(item[0]))
                 window = Window([op for op, _ in taken.pre], [op for op, _ in taken.batch])
-                now = time.monotonic()
-                for op in window.items:
-                    seq = self.key(op)[1]
-                    if seq is not None:
-                        self._seen[seq] = now
-                n_tokens = sum(self.n_tokens(op) for op in window.items)
-                inline = self._active() <= 1
                 t0 = time.monotonic()
                 try:
-                    results = await self.runner.run(self.run_round, window, n_tokens, inline)
+                    results = await self.runner.run(self.run_round, window)
                 except Exception as exc:  # loading, or a bug: every operation of the round gets it
                     results = [exc] * len(window.items)
                 self._last_seconds = time.monotonic() - t0

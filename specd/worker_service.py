@@ -97,15 +97,6 @@ def _op_key(op: pb.WorkerOp):
     return op_key(kind, getattr(getattr(op, kind), "seq_id", None) if kind else None)
 
 
-def op_tokens(op: pb.WorkerOp) -> int:
-    """Tokens an operation decodes, at most (0 for pure KV bookkeeping)."""
-    which = op.WhichOneof("op")
-    if which in BATCHABLE:
-        r = getattr(op, which)
-        return len(r.tokens) + (r.n_more if which == "verify" else 0)
-    return 0
-
-
 def _owner(context: grpc.aio.ServicerContext) -> str | None:
     return dict(context.invocation_metadata() or ()).get(OWNER_KEY)
 
@@ -230,7 +221,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _execute(self, context) -> bool:
         """Run the stream's operations; True when the caller ended it."""
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.runner, run_round, _op_key, op_tokens, gather_max=self.batch_wait,
+            self.scheduler = Scheduler(self.runner, run_round, _op_key, gather_max=self.batch_wait,
                                        max_queued=self.bounds.queued_ops)
         results: asyncio.Queue = asyncio.Queue()
 

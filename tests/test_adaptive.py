@@ -173,7 +173,7 @@ def test_scheduler_waits_for_the_last_batch_to_come_back():
         return [None] * len(window.items)
 
     async def main():
-        sched = Scheduler(EngineRunner(engine=object()), run_round, _key, lambda op: 1, gather_max=0.010)
+        sched = Scheduler(EngineRunner(engine=object()), run_round, _key, gather_max=0.010)
         await asyncio.gather(sched.submit(("verify", 0)), sched.submit(("verify", 1)))
         first = sched.submit(("verify", 0))
         await asyncio.sleep(0.003)  # the other sequence's router turnaround

@@ -30,7 +30,7 @@ def test_scheduler_refuses_operations_past_its_queue_bound():
 
     async def main():
         sched = Scheduler(EngineRunner(engine=object()), run_round, lambda seq: op_key("get_seq_state", seq),
-                          lambda seq: 0, max_queued=2)
+                          max_queued=2)
         futs = [sched.submit(seq) for seq in range(3)]  # no round has run yet: all three wait
         got = await asyncio.gather(*futs, return_exceptions=True)
         later = await sched.submit(7)  # room again once the queue has drained
