@@ -9,6 +9,7 @@ import logging
 import time
 
 from specd.engine import ModelInfo
+from specd.model_engine import ModelEngine
 from specd.errors import FailedPrecondition, SpecdError, Unavailable
 from specd.router.alignment import diverged
 from specd.router.compat import check_vocab
@@ -41,7 +42,11 @@ class DraftLink:
     @property
     def busy(self) -> bool:
         """Whether the draft computes for some session right now: the
-        target's next batch then leaves it its cores (DecodeRequest.draft_busy)."""
+        target's next batch then leaves it its cores (DecodeRequest.draft_busy).
+        A model-free drafter takes microseconds a proposal, so the target
+        never gives up a core for it."""
+        if self.info is not None and self.info.kind != ModelEngine.kind:
+            return False
         return getattr(self.client, "computing", 0) > 0
 
     async def start(self) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from specd.draft_worker.ngram import PROPOSER_NAMES
 from specd.client import RouterClient
+from tests.test_concurrency import metric
 
 COPY_HEAVY = [json.loads(line)["prompt"] for line in
               (pathlib.Path(__file__).parent.parent / "bench" / "copy_heavy.jsonl").read_text().splitlines()]
@@ -17,7 +18,10 @@ COPY_HEAVY = [json.loads(line)["prompt"] for line in
 
 @pytest.mark.parametrize("spec", [*PROPOSER_NAMES, "map-k,simple"])
 def test_ngram_greedy_identical(cluster_factory, spec):
-    c = cluster_factory(draft_model="", ngram=spec, n_ctx=1024, n_seq=1)
+    # the target as `specd up` runs it: batches on both cores unless the draft computes
+    c = cluster_factory(draft_model="", ngram=spec, n_ctx=1024, n_seq=1, metrics=True,
+                        target_threads=1, target_threads_batch=2)
+    batches = "specd_worker_decode_multi_token_batches_total"
     drafted = accepted = 0
     with RouterClient(c.router_address) as client:
         info = client.info()
@@ -30,5 +34,8 @@ def test_ngram_greedy_identical(cluster_factory, spec):
                 drafted += r.n_drafted
                 accepted += r.n_accepted
     assert accepted <= drafted
+    # an n-gram proposal costs microseconds: the target never left the draft a core for it
+    by_threads = metric(c.metrics_ports["target"], batches)
+    assert by_threads.get('{threads="2"}', 0) > 0 and by_threads.get('{threads="1"}', 0) == 0, by_threads
     if spec in ("simple", "map-k", "map-k,simple"):
         assert accepted > 0  # copying prompts: the history-scanning drafters must hit
