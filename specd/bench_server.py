@@ -88,6 +88,8 @@ def ngram_server_args(spec: str) -> tuple[list[str], int]:
 @dataclass
 class Answer:
     tokens: list[int]
+    drafted: int = 0  # draft tokens the target verified
+    accepted: int = 0  # of those, the ones it kept
 
 
 class LlamaServer:
@@ -127,8 +129,10 @@ class LlamaServer:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=1800) as r:
             out = json.loads(r.read())
+        timings = out.get("timings", {})
         # llama-server lists the end-of-generation token it stopped at; specd does not
-        return Answer(out["tokens"][:-1] if out.get("stop_type") == "eos" else out["tokens"])
+        return Answer(out["tokens"][:-1] if out.get("stop_type") == "eos" else out["tokens"],
+                      timings.get("draft_n", 0), timings.get("draft_n_accepted", 0))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -164,25 +168,27 @@ def specd_generate(address: str, temperature: float = 0.0, **kwargs) -> Callable
     def generate(ids: list[int], max_tokens: int) -> Answer:
         sampling = rpb.SamplingParams(temperature=temperature, seed=request_seed(ids),
                                       **(SAMPLED_FILTERS if temperature > 0 else {}))
-        return Answer(client.generate(ids, max_tokens=max_tokens, sampling=sampling, **kwargs).tokens)
+        r = client.generate(ids, max_tokens=max_tokens, sampling=sampling, **kwargs)
+        return Answer(r.tokens, r.n_drafted, r.n_accepted)
 
     return generate
 
 
 def run_cell(contender: Contender, prompts: list[list[int]], sessions: int, max_tokens: int) -> dict:
     shares = [list(range(len(prompts)))[i::sessions] for i in range(sessions)]
-    out: list[list[int]] = [[] for _ in prompts]
+    out: list[Answer] = [Answer([]) for _ in prompts]
 
     def session(share):
         for i in share:
-            out[i] = contender.generate(prompts[i], max_tokens).tokens
+            out[i] = contender.generate(prompts[i], max_tokens)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(sessions) as pool:
         list(pool.map(session, shares))
     wall = time.perf_counter() - t0
-    generated = sum(len(t) for t in out)
-    return {"tok_s": generated / wall, "wall": wall, "generated": generated, "tokens": out}
+    generated = sum(len(a.tokens) for a in out)
+    return {"tok_s": generated / wall, "wall": wall, "generated": generated, "tokens": [a.tokens for a in out],
+            "drafted": sum(a.drafted for a in out), "accepted": sum(a.accepted for a in out)}
 
 
 @dataclass
@@ -326,7 +332,9 @@ def rows(cells: dict[tuple[int, str], list[dict]], levels: list[int], names: lis
             mean, lo, hi = geomean_interval(paired_ratios(runs, base))
             out.append({"concurrency": c, "contender": name, "tok_s_median": statistics.median(runs),
                         "tok_s_min": min(runs), "tok_s_max": max(runs), "tok_s_runs": runs,
-                        "vs_llama_server": {"geomean": mean, "ci90": [lo, hi]}})
+                        "vs_llama_server": {"geomean": mean, "ci90": [lo, hi]},
+                        "drafted": sum(r["drafted"] for r in cells[(c, name)]),
+                        "accepted": sum(r["accepted"] for r in cells[(c, name)])})
     return out
 
 
@@ -340,12 +348,13 @@ def sampled(temperature: float) -> str:
 
 def markdown(result: dict) -> str:
     s = result["settings"]
-    lines = ["| sessions | contender | aggregate tok/s median (min–max) | × llama-server per repetition: geo-mean [90% CI] |",
-             "|---|---|---|---|"]
+    lines = ["| sessions | contender | aggregate tok/s median (min–max) | × llama-server per repetition: geo-mean "
+             "[90% CI] | draft tokens accepted / verified |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         v = r["vs_llama_server"]
+        drafts = f"{r['accepted']} / {r['drafted']}" if r.get("drafted") else "–"
         lines.append(f"| {r['concurrency']} | {r['contender']} | {r['tok_s_median']:.1f} ({r['tok_s_min']:.1f}–"
-                     f"{r['tok_s_max']:.1f}) | {v['geomean']:.2f} [{v['ci90'][0]:.2f}–{v['ci90'][1]:.2f}] |")
+                     f"{r['tok_s_max']:.1f}) | {v['geomean']:.2f} [{v['ci90'][0]:.2f}–{v['ci90'][1]:.2f}] | {drafts} |")
     lines += ["", f"Machine: {result['machine']['cpus']} CPUs. Workload {s['workload']}, {s['max_tokens']} tokens a "
               f"request, {s['requests_per_session']} requests a session (at least {s['min_requests']} a cell), "
               f"{sampled(s.get('temperature', 0.0))}, "
