@@ -202,9 +202,11 @@ async def _continuation(r, s: Session, plan: Plan, drafts: Drafts, remaining: in
 # ---------------------------------------------------------------- verify
 def solo_tokens(r, plan: Plan, n_drafts: int, remaining: int) -> int:
     """Tokens the target may generate on its own after its next one: in a
-    step without drafts, up to solo_tokens in all, within max_tokens and the
-    context (each but the last is decoded)."""
-    if n_drafts:
+    step that did not ask for drafts, up to solo_tokens in all, within
+    max_tokens and the context (each but the last is decoded). A draft that
+    was asked and had nothing (an n-gram drafter without a match) may have
+    some after the next token, so that step stays one token long."""
+    if plan.k or n_drafts:
         return 0
     return max(0, min(r.settings.solo_tokens - 1, remaining - 1, r.n_ctx - plan.n))
 

@@ -100,3 +100,22 @@ def test_router_steps_cover_several_tokens_within_max_tokens(solo_cluster):
         assert r.tokens == runs[12].tokens[:n]
     assert runs[12].n_steps == 3  # 5 + 5 + 2 tokens: the target went on alone
     assert sampled[0].tokens == sampled[1].tokens  # the same seed, the same sample indices
+
+
+def test_only_a_step_that_asked_for_no_drafts_goes_on_alone():
+    """A step that asked the draft and got nothing (an n-gram drafter without
+    a match) stays one token long: the next token may bring a match."""
+    from types import SimpleNamespace
+
+    from specd.router.step import Plan, solo_tokens
+
+    r = SimpleNamespace(settings=SimpleNamespace(solo_tokens=4), n_ctx=100)
+
+    def plan(k: int, n: int = 10) -> Plan:
+        return Plan(t0=0.0, n=n, k=k, n_min=0, p_min=0.0, ckpt=False, load=None, hidden_now=0.0)
+
+    assert solo_tokens(r, plan(0), 0, remaining=50) == 3
+    assert solo_tokens(r, plan(4), 0, remaining=50) == 0  # asked, none came
+    assert solo_tokens(r, plan(4), 2, remaining=50) == 0
+    assert solo_tokens(r, plan(0), 0, remaining=2) == 1  # within max_tokens
+    assert solo_tokens(r, plan(0, n=99), 0, remaining=50) == 1  # within the context
