@@ -34,6 +34,10 @@ MAX_QUEUED_OPS = 8192
 # few tokens of answer need more than this; smaller values are typos.
 MIN_N_CTX = 16
 MAX_STREAM_OPS = 2048
+# Tokens a target generates alone in one verification after its own
+# (VerifyRequest.n_more): each is a round of its own, so one call cannot hold
+# a sequence's stream for long; the router asks for --solo-tokens - 1.
+MAX_N_MORE = 64
 
 
 def env_name(flag: str) -> str:
@@ -50,14 +54,15 @@ def _bool(v: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
 
 
-def at_least(minimum: int):
-    """An int flag type refusing values below `minimum`."""
+def at_least(minimum: int, maximum: int | None = None):
+    """An int flag type refusing values below `minimum` (or above `maximum`)."""
     def parse(v: str) -> int:
         n = int(v)
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        if n < minimum or (maximum is not None and n > maximum):
+            raise argparse.ArgumentTypeError(f"must be in [{minimum}, {maximum}], got {n}" if maximum is not None
+                                             else f"must be >= {minimum}, got {n}")
         return n
-    parse.__name__ = f"int >= {minimum}"
+    parse.__name__ = f"int >= {minimum}" if maximum is None else f"int in [{minimum}, {maximum}]"
     return parse
 
 
@@ -219,7 +224,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--overlap", bool, r.overlap, "draft the next step while the target verifies this one")
     add(p, "--prompt-cache", bool, r.prompt_cache, "keep finished sessions' KV for prompts that share their prefix")
     add(p, "--adaptive", bool, r.adaptive, "choose each step's draft length (up to n_max, down to 0) from acceptance and load")
-    add(p, "--solo-tokens", at_least(1), r.solo_tokens, "tokens the target generates per call when a step "
+    add(p, "--solo-tokens", at_least(1, MAX_N_MORE + 1), r.solo_tokens, "tokens the target generates per call when a step "
         "asks for no drafts (drafting off, or adaptive under load); the stream gets them in groups this large")
     add(p, "--max-queue", int, r.max_queue, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, RouterConfig.worker_timeout, "deadline of one worker call in seconds")

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from specd.config import MAX_N_MORE
 from specd.engine import Capabilities, Steps, VerifyResult
 from specd.errors import FailedPrecondition, InvalidArgument, SpecdError
 from specd.model_engine import ModelEngine
@@ -29,8 +30,8 @@ class TargetEngine(ModelEngine):
         sampling.validate()
         if sample_index < 0:
             raise InvalidArgument(f"sample_index must be >= 0, got {sample_index}", field="sample_index")
-        if n_more < 0:
-            raise InvalidArgument(f"n_more must be >= 0, got {n_more}", field="n_more")
+        if not 0 <= n_more <= MAX_N_MORE:
+            raise InvalidArgument(f"n_more must be in [0, {MAX_N_MORE}], got {n_more}", field="n_more")
         self.check_batch(len(toks))
         self._check_append(seq, pos, len(toks))
         n_draft = len(toks) - 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from specd.client import RouterClient
+from specd.config import MAX_N_MORE
 from specd.errors import InvalidArgument
 from specd.sampling import Sampling
 
@@ -66,18 +67,19 @@ def test_it_stops_after_an_end_of_generation_token(engine):
 
 def test_it_stops_at_the_end_of_the_context(engine):
     pos, last = _start(engine, 0, "1, 2, 3, 4, 5,")  # counting goes on past 64 positions
-    got = engine.verify(0, pos, [last], Sampling(), 0, True, n_more=500)
+    got = engine.verify(0, pos, [last], Sampling(), 0, True, n_more=MAX_N_MORE)
     assert not set(got.tokens) & set(engine.model.eog_tokens)
     # the last token generated is not decoded: the context holds the others
     assert got.state.pos_max == engine.n_ctx_seq - 1
     assert got.n_more == len(got.tokens) - 1 == engine.n_ctx_seq - 1 - pos
 
 
-def test_a_negative_n_more_is_refused_and_changes_nothing(engine):
+@pytest.mark.parametrize("n_more", [-1, MAX_N_MORE + 1])
+def test_an_n_more_out_of_range_is_refused_and_changes_nothing(engine, n_more):
     pos, last = _start(engine, 0)
     before = engine.state(0)
     with pytest.raises(InvalidArgument) as err:
-        engine.verify(0, pos, [last], Sampling(), 0, True, n_more=-1)
+        engine.verify(0, pos, [last], Sampling(), 0, True, n_more=n_more)
     assert err.value.field == "n_more"
     assert engine.state(0) == before
 
