@@ -118,7 +118,7 @@ def test_prompt_cache_reuses_a_long_prefix(busy):
     assert cold >= 5 * hit, (cold, hit)
 
 
-def test_200_cancelled_streams_leave_nothing_behind(cluster_factory):
+def test_100_cancelled_streams_leave_nothing_behind(cluster_factory):
     c = cluster_factory(n_ctx=512, n_seq=4, router_args=["--max-queue", "64"])
 
     async def main() -> int:
@@ -142,13 +142,13 @@ def test_200_cancelled_streams_leave_nothing_behind(cluster_factory):
                 return True
 
             cancelled = 0
-            for wave in range(10):
+            for wave in range(5):  # of 20 streams for 4 sequences: most wait in the queue when cancelled
                 done = await asyncio.gather(*[one(wave * 20 + i) for i in range(20)])
                 cancelled += sum(done)
             return cancelled
 
     cancelled = asyncio.run(main())
-    assert cancelled == 200
+    assert cancelled == 100
     deadline = time.monotonic() + 15
     while True:
         states = seq_states(c, 4)
@@ -156,7 +156,7 @@ def test_200_cancelled_streams_leave_nothing_behind(cluster_factory):
                 for role, ss in states.items()}
         if not held["target"] and not held["draft"]:
             break
-        assert time.monotonic() < deadline, f"sequences still hold KV after 200 cancellations: {held}"
+        assert time.monotonic() < deadline, f"sequences still hold KV after 100 cancellations: {held}"
         time.sleep(0.2)
     with RouterClient(c.router_address, timeout=120) as client:  # and the router serves all its sequences
         with ThreadPoolExecutor(4) as pool:
