@@ -767,6 +767,7 @@ class VerifyRequest(_message.Message):
     after an end-of-generation token or at the end of the context: the
     target going on alone while no drafts are asked for, without a round
     trip per token. Other sequences' operations batch with each of them.
+    0 to 64; anything else is INVALID_ARGUMENT naming the field.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
