@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
+from specd.ubatch import NO_FILL, Fill
+
 _backend_lock = threading.Lock()
 _backend_ready = False
 _log_callback = None  # keep the ctypes callback alive
@@ -188,10 +190,12 @@ class LlamaModel:
         arr.flags.writeable = False
         return arr
 
-    def decode_multi(self, parts) -> list[np.ndarray | None]:
+    def decode_multi(self, parts, fill: Fill = NO_FILL) -> list[np.ndarray | None]:
         """Decode several sequences' tokens in one llama_decode, as llama.cpp's
         server batches its slots. `parts` is a list of (seq_id, pos, tokens,
-        n_logits) with distinct seq_ids and at most n_batch tokens in all.
+        n_logits) with distinct seq_ids; with `fill`'s throwaway tokens (no
+        logits, removed right after: see specd.ubatch) at most n_batch
+        tokens in all.
 
         Returns, per part, a read-only view (n_logits, n_vocab) of the logits
         of its last n_logits tokens (None when n_logits == 0), valid until
@@ -202,26 +206,25 @@ class LlamaModel:
         # the batch (split_equal), so arrival order would cost one model pass
         # per out-of-order sequence (docs/batching.md).
         order = sorted(range(len(parts)), key=lambda i: parts[i][0])
-        fill = [] if self.kv_unified else gap_fill([p[0] for p in parts], [len(p[2]) for p in parts],
-                                                   lambda s: self.seq_pos_max(s) < 0, self.n_batch)
-        # Ids in between that hold nothing decode as many throwaway tokens,
-        # without logits, and are emptied again right after: one pass instead
-        # of one per run of consecutive ids.
-        # Streams are apart: no other sequence sees them.
-        throwaway = (0, [parts[0][2][0]] * len(parts[0][2]), 0) if fill else None  # pos, tokens, n_logits
-        rows = sorted([(parts[i][0], i) for i in order] + [(s, -1) for s in fill])
+        filler = int(parts[0][2][0])
+        rows = sorted([(parts[i][0], i) for i in order] + [(s, -1) for s in fill.gaps])
         n = 0
         for seq_id, i in rows:
-            pos, tokens, n_logits = parts[i][1:] if i >= 0 else throwaway
-            m = len(tokens)
+            if i >= 0:
+                pos, tokens, n_logits = parts[i][1:]
+                extra = fill.pad.get(seq_id, 0)
+            else:  # an empty id between the parts
+                pos, tokens, n_logits, extra = 0, (), 0, fill.gaps[seq_id]
+            m = len(tokens) + extra
             if n + m > self.n_batch:
                 raise ValueError(f"decode_multi of more than n_batch ({self.n_batch}) tokens")
-            self._b_token[n : n + m] = tokens
+            self._b_token[n : n + len(tokens)] = tokens
+            self._b_token[n + len(tokens) : n + m] = filler
             self._b_pos[n : n + m] = np.arange(pos, pos + m, dtype=np.int32)
             self._b_seq[n : n + m] = seq_id
             self._b_logits[n : n + m] = 0
             if n_logits > 0:
-                self._b_logits[n + m - n_logits : n + m] = 1
+                self._b_logits[n + len(tokens) - n_logits : n + len(tokens)] = 1
             n += m
         if n == 0:
             raise ValueError("decode_multi of an empty batch")
@@ -229,7 +232,10 @@ class LlamaModel:
         try:
             rc = L.llama_decode(self._ctx, self._batch)
         finally:
-            for s in fill:
+            for i in order:
+                if fill.pad.get(parts[i][0]):
+                    self.seq_rm(parts[i][0], parts[i][1] + len(parts[i][2]), -1)
+            for s in fill.gaps:
                 self.seq_rm(s, -1, -1)
         if rc != 0:
             raise DecodeError(f"llama_decode returned {rc} ({len(parts)} sequences, {n} tokens)")
@@ -371,21 +377,3 @@ class LlamaModel:
             self.close()
         except Exception:
             pass
-
-
-def gap_fill(seq_ids: list[int], n_tokens: list[int], is_empty, n_batch: int) -> list[int]:
-    """The ids between a batch's sequences to decode throwaway tokens for, so
-    that llama.cpp (a KV stream per sequence) runs the batch as one ubatch:
-    only when every sequence decodes as many tokens (else it splits anyway),
-    only ids that hold nothing (`is_empty`: emptied again after, whatever the
-    memory kind), and no more throwaway tokens than real ones (a pass saved
-    is worth about that here) nor beyond n_batch. [] when nothing to fill."""
-    if len(seq_ids) < 2 or len(set(n_tokens)) != 1 or n_tokens[0] == 0:
-        return []
-    have = set(seq_ids)
-    gaps = [s for s in range(min(have), max(have)) if s not in have]
-    if not gaps or len(gaps) > len(seq_ids) or (len(gaps) + len(seq_ids)) * n_tokens[0] > n_batch:
-        return []
-    if not all(is_empty(s) for s in gaps):
-        return []
-    return gaps

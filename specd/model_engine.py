@@ -11,6 +11,7 @@ from specd.router.costs import COST_CHECK
 from specd.engine import Capabilities, ModelInfo, Steps, WorkerEngine
 from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
 from specd.llama import DecodeError, LlamaConfig, LlamaModel
+from specd.ubatch import DEFAULT_PASS_TOKENS, NO_FILL, Fill, Part, pass_tokens, plan_fill
 
 
 log = logging.getLogger("specd.engine")
@@ -42,6 +43,7 @@ class ModelEngine(WorkerEngine):
         self.decode_costs: tuple[tuple[int, float], ...] = ()
         self.decode_costs_shared: tuple[tuple[int, float], ...] = ()
         self.prompt_costs: tuple[tuple[int, float], ...] = ()
+        self.pass_tokens = DEFAULT_PASS_TOKENS  # a model pass's fixed cost in tokens (specd.ubatch)
         self._retry_left = CALIBRATION_RETRY_SECONDS  # seconds left to time implausible curves again
 
     def info(self) -> ModelInfo:
@@ -82,6 +84,7 @@ class ModelEngine(WorkerEngine):
         self._retry_left = CALIBRATION_RETRY_SECONDS
         self.decode_costs = self._time_decodes(max_tokens, repeats)
         log.info("decode cost (tokens: ms): %s", ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs))
+        self.pass_tokens = pass_tokens(self.decode_costs)
         if self.time_prompts:
             self.prompt_costs = self._time_decodes(max_tokens, repeats, all_logits=False)
             log.info("prompt cost, last token's logits (tokens: ms): %s",
@@ -197,18 +200,21 @@ class ModelEngine(WorkerEngine):
         out: list = [None] * len(parts)
         for g, idx in enumerate(groups):
             t0 = time.perf_counter()
+            fill = NO_FILL
             try:
                 if len(idx) == 1:  # may exceed n_batch: model.decode splits it
                     seq_id, pos, toks, n_logits = parts[idx[0]]
                     logits = [self.model.decode(seq_id, pos, toks, n_logits)]
                 else:
-                    logits = self.model.decode_multi([parts[i] for i in idx])
+                    fill = self._fill([parts[i] for i in idx])
+                    logits = self.model.decode_multi([parts[i] for i in idx], fill)
             except DecodeError as exc:
                 for i in range(len(parts)):  # a partially applied batch must not stay behind
                     seq_id, pos = parts[i][0], parts[i][1]
                     self.model.seq_rm(seq_id, pos, -1)
                 raise ResourceExhausted(f"decode failed: {exc}") from exc
-            n_tokens, seconds = sum(len(parts[i][2]) for i in idx), time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            n_tokens = sum(len(parts[i][2]) for i in idx) + fill.n_tokens
             for i in idx:
                 self.round_cost[parts[i][0]] = (n_tokens, seconds)
             if self.on_decode is not None:
@@ -217,6 +223,19 @@ class ModelEngine(WorkerEngine):
             for i, lg in zip(idx, logits):
                 out[i] = lg if last or lg is None else lg.copy()
         return out
+
+    def _fill(self, parts: list[tuple]) -> Fill:
+        """The throwaway tokens that make a batch of several sequences fewer
+        model passes (specd.ubatch); none with one KV buffer for all, and no
+        padding where the memory cannot drop the tail again (recurrent)."""
+        if self.model.kv_unified:
+            return NO_FILL
+        room = self.n_ctx_seq if self.can_rm_partial else 0
+        plan = [Part(seq_id, len(toks), max(min(room - pos - len(toks), self.model.n_batch), 0))
+                for seq_id, pos, toks, _ in parts]
+        ids = {p.seq_id for p in plan}
+        gaps = {s for s in range(min(ids) + 1, max(ids)) if s not in ids and self.model.seq_pos_max(s) < 0}
+        return plan_fill(plan, gaps, self.pass_tokens, self.model.n_batch)
 
     def _kv_rm(self, seq_id: int, p0: int, p1: int) -> None:
         if not self.model.seq_rm(seq_id, p0, p1):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from specd.llama import LlamaConfig, LlamaModel
+from specd.ubatch import NO_FILL, Fill
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 1707, 33217, 30], [1, 26227, 1542, 253, 655, 28], [1, 504, 1115, 30]]
 # (seq_id, new tokens, logits wanted), deliberately not in seq_id order and of different lengths
@@ -73,8 +74,7 @@ def test_a_free_id_between_sequences_is_filled_for_the_pass_and_left_empty(model
     """Sequences 0, 1 and 3 decode one token each while 2 holds nothing:
     with a KV stream per sequence llama.cpp would run ids 0-1 and 3 as two
     passes, so sequence 2 decodes a throwaway token in the same batch and is
-    emptied after. The others' logits are theirs; a sequence that holds
-    tokens is never used so."""
+    emptied after. The others' logits are theirs."""
     prefill(model)
     assert model.seq_rm(2, -1, -1)
     step = [(0, [216]), (1, [2273]), (3, [9225])]
@@ -82,31 +82,33 @@ def test_a_free_id_between_sequences_is_filled_for_the_pass_and_left_empty(model
     for s, toks in step:
         alone.append(np.array(model.decode(s, len(PROMPTS[s]), toks, 1)))
         assert model.seq_rm(s, len(PROMPTS[s]), -1)
-    batched = model.decode_multi([(s, len(PROMPTS[s]), toks, 1) for s, toks in reversed(step)])
+    fill = Fill(pad={}, gaps={2: 1})
+    batched = model.decode_multi([(s, len(PROMPTS[s]), toks, 1) for s, toks in reversed(step)], fill)
     for (s, _), a, b in zip(step, alone, reversed(batched)):
         assert np.abs(a - b).max() < 1e-2 * np.abs(a).max(), f"seq {s}"
         assert a.argmax() == b.argmax()
-    assert model._batch.n_tokens == (3 if model.kv_unified else 4)  # unified: one pass anyway
+    assert model._batch.n_tokens == 4
     assert model.seq_pos_max(2) == -1
     for s, _ in step:
         assert model.seq_pos_max(s) == len(PROMPTS[s])
 
-    prefill(model)  # now sequence 2 holds its prompt: it is not touched
-    model.decode_multi([(s, len(PROMPTS[s]), toks, 1) for s, toks in step])
-    assert model._batch.n_tokens == 3
-    assert model.seq_pos_max(2) == len(PROMPTS[2]) - 1
 
 
-def test_gap_fill_only_fills_free_ids_between_equal_parts():
-    from specd.llama import gap_fill
+def test_padded_parts_keep_their_logits_and_leave_no_padding_behind(model):
+    """Parts of 2, 1, 3 and 1 tokens padded to 3 (one pass instead of
+    several with a stream per sequence): each part's logits are its own, the
+    padding is gone after, and the next token decodes as without it."""
+    def run(fill):
+        prefill(model)
+        first = [np.array(x) for x in model.decode_multi([(s, len(PROMPTS[s]), t, n) for s, t, n in PARTS], fill)]
+        heads = [model.seq_pos_max(s) for s in range(len(PROMPTS))]
+        nxt = np.array(model.decode(1, len(PROMPTS[1]) + 1, [30], 1))
+        return first, heads, nxt
 
-    free = {2, 3, 5, 9}.__contains__
-    assert gap_fill([0, 1, 3, 4], [1, 1, 1, 1], free, 512) == [2]
-    assert gap_fill([4, 0, 1, 6], [2, 2, 2, 2], free, 512) == [2, 3, 5]
-    assert gap_fill([0, 1, 3], [1, 2, 1], free, 512) == []  # unequal: llama.cpp splits it anyway
-    assert gap_fill([0, 1, 4], [1, 1, 1], free, 512) == [2, 3]
-    assert gap_fill([1, 6], [1, 1], lambda s: True, 512) == []  # 4 throwaway tokens for 2 real ones
-    assert gap_fill([0, 1, 2, 3, 5, 6, 7, 8], [1] * 8, free, 512) == []  # 4 holds tokens
-    assert gap_fill([0, 1, 3], [300, 300, 300], free, 1024) == []  # beyond n_batch
-    assert gap_fill([0, 1, 2], [1, 1, 1], free, 512) == []  # nothing to fill
-    assert gap_fill([7], [1], free, 512) == []
+    plain, heads, nxt = run(NO_FILL)
+    padded, heads_p, nxt_p = run(Fill(pad={0: 2, 1: 2, 2: 1}, gaps={}))
+    assert heads_p == heads == [len(PROMPTS[s]) + len(t) - 1 for s, t, _ in sorted(PARTS)]
+    for a, b in zip(plain, padded):
+        assert np.abs(a - b).max() < 1e-2 * np.abs(a).max()
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+    assert np.abs(nxt - nxt_p).max() < 1e-2 * np.abs(nxt).max() and nxt.argmax() == nxt_p.argmax()
