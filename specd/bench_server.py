@@ -52,6 +52,10 @@ BUILD_HINT = ("llama-server not found. Build it from the llama.cpp that llama-cp
 # specd n-gram proposer name -> llama-server --spec-type
 NGRAM_TYPES = {"simple": "ngram-simple", "map-k": "ngram-map-k", "map-k4v": "ngram-map-k4v",
                "mod": "ngram-mod", "cache": "ngram-cache"}
+# llama-server's longest draft of each type (common_speculative_n_max): the
+# parameter that bounds it, and its default there
+NGRAM_DRAFT_BOUND = {"simple": ("size-m", 48), "map-k": ("size-m", 48), "map-k4v": ("size-m", 48),
+                     "mod": ("n-max", 64), "cache": (None, 8)}
 
 
 def find_llama_server(path: str) -> str:
@@ -81,8 +85,8 @@ def ngram_server_args(spec: str) -> tuple[list[str], int]:
         key, _, value = p.partition("=")
         values[key] = value
         args += [f"--spec-{NGRAM_TYPES[name]}-{key}", value]
-    n_max = int(values.get("n-max") or values.get("size-m") or 16)
-    return args, n_max
+    key, default = NGRAM_DRAFT_BOUND[name]
+    return args, int(values.get(key) or default) if key else default
 
 
 @dataclass

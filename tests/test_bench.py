@@ -210,3 +210,17 @@ def test_llama_server_comparison_tells_lossless_differences_from_engine_ones():
     out = compare_outputs({"llama-server": a, "llama-server ngram-mod:n-max=8": a, "specd ngram-mod:n-max=8": b})
     assert [(d["kind"], d["contender"], d["against"]) for d in out] == [
         ("across engines", "specd ngram-mod:n-max=8", "llama-server")]  # --ngram runs have no plain specd contender
+
+
+def test_llama_server_ngram_flags_and_draft_bound_follow_llama_cpp():
+    """Both sides draft at most what llama-server's common_speculative_n_max
+    allows the type: its size-m / n-max parameter, or that one's default."""
+    from specd.bench_server import ngram_server_args
+
+    assert ngram_server_args("mod:n-match=4:n-min=0:n-max=16") == (
+        ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "4", "--spec-ngram-mod-n-min", "0",
+         "--spec-ngram-mod-n-max", "16"], 16)
+    assert ngram_server_args("simple")[1] == 48 and ngram_server_args("map-k:size-m=20")[1] == 20
+    assert ngram_server_args("mod")[1] == 64 and ngram_server_args("cache")[1] == 8
+    with pytest.raises(SystemExit, match="unknown type"):
+        ngram_server_args("lookup")
