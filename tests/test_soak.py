@@ -1,4 +1,4 @@
-"""Soak: 32 concurrent streams for SPECD_SOAK_SECONDS (default 60) against a
+"""Soak: 32 concurrent streams for SPECD_SOAK_SECONDS (default 45; longer runs: set it) against a
 real cluster (target, draft and router as subprocesses, alignment check on,
 more streams than sequences so that sessions queue), with random
 cancellations and client deadlines.
@@ -23,7 +23,7 @@ from specd.v1 import router_pb2_grpc as rpb_grpc
 from tests.conftest import PROMPTS
 from tests.leaks import rss, wait_no_leaks
 
-SOAK_SECONDS = float(os.environ.get("SPECD_SOAK_SECONDS", "60"))
+SOAK_SECONDS = float(os.environ.get("SPECD_SOAK_SECONDS", "45"))
 STREAMS = 32
 N_SEQ = 8
 MAX_TOKENS = 48
