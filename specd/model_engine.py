@@ -226,11 +226,13 @@ class ModelEngine(WorkerEngine):
 
     def _fill(self, parts: list[tuple]) -> Fill:
         """The throwaway tokens that make a batch of several sequences fewer
-        model passes (specd.ubatch); none with one KV buffer for all, and no
-        padding where the memory cannot drop the tail again (recurrent)."""
+        model passes (specd.ubatch); none with one KV buffer for all. No
+        padding where the memory cannot drop the tail again (recurrent), nor
+        with a sliding window, whose cache may drop cells the sequence still
+        needs to make room for tokens beyond its own."""
         if self.model.kv_unified:
             return NO_FILL
-        room = self.n_ctx_seq if self.can_rm_partial else 0
+        room = self.n_ctx_seq if self.can_rm_partial and not self.model.n_swa else 0
         plan = [Part(seq_id, len(toks), max(min(room - pos - len(toks), self.model.n_batch), 0))
                 for seq_id, pos, toks, _ in parts]
         ids = {p.seq_id for p in plan}

@@ -112,3 +112,21 @@ def test_padded_parts_keep_their_logits_and_leave_no_padding_behind(model):
         assert np.abs(a - b).max() < 1e-2 * np.abs(a).max()
         assert (a.argmax(-1) == b.argmax(-1)).all()
     assert np.abs(nxt - nxt_p).max() < 1e-2 * np.abs(nxt).max() and nxt.argmax() == nxt_p.argmax()
+
+
+def test_the_engine_pads_a_batch_of_mixed_lengths_into_one_pass(models):
+    """ModelEngine plans the padding (specd.ubatch): 1, 2, 1 and 2 tokens
+    would be three passes with a stream per sequence, padded they are one
+    of 8 tokens; each sequence then holds exactly its own tokens."""
+    from specd.model_engine import ModelEngine
+
+    eng = ModelEngine(LlamaConfig(models["target"], n_ctx_seq=64, n_seq=4))
+    try:
+        prefill(eng.model)
+        step = [(0, [216]), (1, [2273, 30]), (2, [2980]), (3, [9225, 46])]
+        out = eng._decode_parts([(s, len(PROMPTS[s]), toks, len(toks)) for s, toks in step])
+        assert [o.shape[0] for o in out] == [1, 2, 1, 2]
+        assert eng.round_cost[0][0] == 8 and eng.model._batch.n_tokens == 8
+        assert [eng.model.seq_pos_max(s) for s, _ in step] == [len(PROMPTS[s]) + len(t) - 1 for s, t in step]
+    finally:
+        eng.model.close()
