@@ -164,6 +164,13 @@ class Controller:
     target_shared: CostCurve = field(default_factory=CostCurve)  # empty: as `target`
     draft_prompt: CostCurve = field(default_factory=CostCurve)  # a catch-up's price; empty: as `draft`
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
+    # share of drafting steps whose drafts overlap made beside the last
+    # verification, across sessions: a new session's prior. A fixed prior
+    # (0.5) priced a fresh session's drafting at half its drafts in the open
+    # where nearly all are hidden, and once a session did not draft its
+    # share never moved: one session stayed target-only where drafting
+    # ran 1.2x faster.
+    hidden: float = 0.5
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     trials: dict[int, Trials] = field(default_factory=dict)
     new_trials: Callable[[int], Trials] = level_trials  # lambda level: Trials(credit=0.0, share=0.0): none
@@ -227,13 +234,15 @@ class Controller:
         return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag,
                                  remaining, verify_tokens, self.target_shared, self.draft_prompt)
 
-    def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
-        """After every step (n_drafted 0 when it did not draft)."""
+    def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int, from_ahead: bool = False) -> None:
+        """After every step (n_drafted 0 when it did not draft; from_ahead:
+        its drafts were made beside the last verification)."""
         acc.tick(n_drafted > 0)
         acc.observe(n_drafted, n_accepted)
         if n_drafted:
             self.overall.tick()
             self.overall.observe(n_drafted, n_accepted)
+            self.hidden += 0.05 * ((1.0 if from_ahead else 0.0) - self.hidden)
 
     def observe_time(self, n_sessions: int, drafted: bool, predicted: float, seconds: float,
                      batch_tokens: int = 0, draft_busy: bool = False, batch_seconds: float = 0.0) -> None:

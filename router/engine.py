@@ -220,7 +220,7 @@ class Router:
         result.speculative = s.with_draft = s.use_draft
         s.d_epoch = self.draft.epoch
         s.acc = self.controller.new_session()
-        s.hidden = 0.5 if self.settings.overlap else 0.0
+        s.hidden = self.controller.hidden if self.settings.overlap else 0.0
         return s
 
     async def _prompt(self, s: Session) -> None:

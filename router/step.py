@@ -288,7 +288,7 @@ async def _roll_back_draft(r, s: Session, drafts: Drafts, keep: int) -> None:
 def _count(r, s: Session, drafts: Drafts, verdict: Verdict) -> None:
     out, a, n_drafts = verdict.ver.tokens, verdict.accepted, len(drafts.tokens)
     s.ctx.extend(out)
-    r.controller.observe_step(s.acc, n_drafts, a)
+    r.controller.observe_step(s.acc, n_drafts, a, drafts.from_ahead)
     if n_drafts:
         s.hidden += 0.2 * ((1.0 if drafts.from_ahead else 0.0) - s.hidden)
         s.res.n_drafted += n_drafts

@@ -429,3 +429,24 @@ def test_one_slow_drafting_step_on_fresh_evidence_does_not_stop_drafting():
         c.observe_step(b, 4, 4)
         c.observe_time(1, True, c.predict(b, 4, *load), c.predict(b, 4, *load) + 0.044)
     assert c.choose(b, 4, *load) == 0
+
+
+def test_a_new_session_prices_overlap_by_what_other_sessions_saw():
+    """A draft costing 0.7x a target token pays only when overlap hides
+    most of its drafting (measured curves of this machine, shape kept). A
+    new session takes the share of hidden drafting steps seen across
+    sessions, not a fixed half: with half, one session never drafted again
+    after its first request, where drafting ran 1.2x faster."""
+    target = CostCurve([(1, .0198), (2, .0239), (4, .029), (8, .0359), (16, .0492)])
+    shared = CostCurve([(1, .0259), (2, .0411), (4, .0497), (8, .066), (16, .0932)])
+    draft = CostCurve([(1, .014), (2, .025), (4, .040), (8, .070), (16, .128)])
+    no_trials = dict(new_trials=lambda level: Trials(credit=0.0, share=0.0))
+    c = Controller(target=target, draft=draft, target_shared=shared, **no_trials)
+    assert c.hidden == 0.5 and c.choose(None, 4, 1, c.hidden, True, 1) == 0
+    for i in range(60):  # drafting steps, all but each request's first made beside the last verification
+        c.observe_step(Acceptance(), 4, 4, from_ahead=i % 20 != 0)
+    assert 0.85 < c.hidden < 1.0
+    assert Controller(target=target, draft=draft, target_shared=shared, hidden=c.hidden, **no_trials).choose(
+        None, 4, 1, c.hidden, True, 1) > 0
+    c.observe_step(Acceptance(), 0, 0, from_ahead=False)  # a plain step says nothing of overlap
+    assert 0.85 < c.hidden < 1.0
