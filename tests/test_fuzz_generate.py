@@ -210,7 +210,7 @@ def describe(r: rpb.GenerateRequest, n_prompt: int | None) -> str:
 
 # ------------------------------------------------------------------- test
 # about 0.1 s an example on 2 shared cores; SPECD_FUZZ_EXAMPLES runs more
-@settings(max_examples=int(os.environ.get("SPECD_FUZZ_EXAMPLES", "300")), deadline=None, database=None,
+@settings(max_examples=int(os.environ.get("SPECD_FUZZ_EXAMPLES", "240")), deadline=None, database=None,
           print_blob=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                    HealthCheck.data_too_large])
 @given(data=st.data())

@@ -1,4 +1,4 @@
-"""Soak: 32 concurrent streams for SPECD_SOAK_SECONDS (default 45; longer runs: set it) against a
+"""Soak: 32 concurrent streams for SPECD_SOAK_SECONDS (default 30; longer runs: set it) against a
 real cluster (target, draft and router as subprocesses, alignment check on,
 more streams than sequences so that sessions queue), with random
 cancellations and client deadlines.
@@ -23,7 +23,7 @@ from specd.v1 import router_pb2_grpc as rpb_grpc
 from tests.conftest import PROMPTS
 from tests.leaks import rss, wait_no_leaks
 
-SOAK_SECONDS = float(os.environ.get("SPECD_SOAK_SECONDS", "45"))
+SOAK_SECONDS = float(os.environ.get("SPECD_SOAK_SECONDS", "30"))
 STREAMS = 32
 N_SEQ = 8
 MAX_TOKENS = 48
@@ -118,7 +118,8 @@ def test_soak_32_streams_with_cancellations(cluster_factory):
         print(f"RSS {role}: start {rss_start[role] / mib:.1f} MiB, after warm-up {marks['warm'][role] / mib:.1f} MiB, "
               f"end {rss_end[role] / mib:.1f} MiB (growth {(rss_end[role] - marks['warm'][role]) / mib:+.1f} MiB)")
     assert not errors, errors[:10]
-    assert stats["completed"] >= 50 and stats["cancelled"] >= 20, stats
+    # enough of each to have exercised it (about 2.4 and 1.2 a second here)
+    assert stats["completed"] >= SOAK_SECONDS and stats["cancelled"] >= SOAK_SECONDS / 3, stats
     for role in ("target", "draft", "router"):
         assert rss_end[role] - marks["warm"][role] < RSS_LIMIT, (role, marks["warm"][role], rss_end[role])
     # every sequence serves again, with the reference output
