@@ -86,7 +86,7 @@ def ngram_server_args(spec: str) -> tuple[list[str], int]:
         values[key] = value
         args += [f"--spec-{NGRAM_TYPES[name]}-{key}", value]
     key, default = NGRAM_DRAFT_BOUND[name]
-    return args, int(values.get(key) or default) if key else default
+    return args, (int(values.get(key) or default) if key else default)
 
 
 @dataclass

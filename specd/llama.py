@@ -206,7 +206,7 @@ class LlamaModel:
         # the batch (split_equal), so arrival order would cost one model pass
         # per out-of-order sequence (docs/batching.md).
         order = sorted(range(len(parts)), key=lambda i: parts[i][0])
-        filler = int(parts[0][2][0])
+        filler = next((int(p[2][0]) for p in parts if len(p[2])), 0)  # any token: no logits are read
         rows = sorted([(parts[i][0], i) for i in order] + [(s, -1) for s in fill.gaps])
         n = 0
         for seq_id, i in rows:

@@ -89,7 +89,7 @@ def plan_fill(parts: list[Part], free_gaps: set[int], pass_tokens: float, n_batc
     for length in sorted(set(own.values())):
         pad = {p.seq_id: min(length - p.n_tokens, p.room) for p in parts if p.n_tokens < length and p.room > 0}
         for gaps in ({}, {s: length for s in gaps_between}):
-            fill = Fill({s: n for s, n in pad.items() if n > 0}, gaps)
+            fill = Fill(pad, gaps)
             if fill.n_tokens == 0 or real + fill.n_tokens > n_batch:
                 continue
             c = cost(layout(fill), pass_tokens)
