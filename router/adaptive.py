@@ -14,7 +14,9 @@ with t_t = t_target(B * (k + 1)) for the B sessions on the session's target,
 t_d = t_draft(D) for the D sessions sharing the draft, `a` the session's
 acceptance rate (a geometric model of how far drafts match, as in the
 speculative decoding papers) and `h` the share of steps whose drafts overlap
-already made (1 at a step that has them: their cost is sunk). With overlap
+already made: 1 at a step that has them (their cost is sunk), else a^(k+1),
+what a session drafting k at acceptance a sees in steady state
+(`steady_hidden`). With overlap
 the draft drafts the next k + 1 tokens while the target verifies, on its own
 compute: a round lasts as long as the slower of the two, plus the drafting
 nobody hid. t_target / t_draft are the curves
@@ -94,6 +96,18 @@ class Acceptance:
         return min(1.0, self.rate + self.bonus / (1.0 + self.accepted + self.rejected) ** 0.5)
 
 
+def steady_hidden(a: float, k: int) -> float:
+    """The share of a drafting session's steps whose drafts overlap made
+    beside the last verification: those after a step that accepted all k
+    drafts and whose continuation guessed the target's own token, k + 1
+    matches in a row. A model, not a measured share: a share learned from
+    steps is learned only while sessions draft, and one that started or
+    fell low priced drafting at a loss, so nobody drafted and it never rose
+    again (one session drafted its first request only, at 1.2x the speed of
+    the rest)."""
+    return min(max(a, 0.0), 1.0) ** (k + 1)
+
+
 def round_seconds(k: int, n_sessions: int, target: CostCurve, draft: CostCurve,
                   hidden: float = 0.0, overlap: bool = False, n_drafting: int | None = None,
                   verify_tokens: int | None = None, target_shared: CostCurve | None = None) -> float:
@@ -129,7 +143,7 @@ def predicted_seconds(k: int, e: float, n_sessions: int, target: CostCurve, draf
 
 
 def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve, draft: CostCurve,
-                        hidden: float = 0.0, overlap: bool = False, margin: float = 0.10,
+                        hidden: float | None = 0.0, overlap: bool = False, margin: float = 0.10,
                         n_drafting: int | None = None, lag: int = 0, remaining: int = 0,
                         extra_plain: float = 0.0, extra_drafting: float = 0.0,
                         target_shared: CostCurve | None = None, catch_up: CostCurve | None = None) -> int:
@@ -138,14 +152,16 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
     draft `lag` tokens behind must decode them first: that one decode is
     spread over the steps left for `remaining` tokens (all of it when 0).
     `extra_plain` / `extra_drafting`: seconds measured steps without / with
-    drafts took beyond the model's prediction."""
+    drafts took beyond the model's prediction. `hidden` None: each k at
+    its steady share (`steady_hidden`)."""
     if len(target) < 2 or n_max <= 0:  # no idea yet how cost grows with the batch: do not adapt
         return n_max
     best_k = 0
     best = (1.0 + margin) / max(round_seconds(0, n_sessions, target, draft) + extra_plain, 1e-9)
     for k in range(1, n_max + 1):
         e = expected_tokens(a, k)
-        cost = predicted_seconds(k, e, n_sessions, target, draft, hidden, overlap, n_drafting, lag, remaining,
+        h = steady_hidden(a, k) if hidden is None else hidden
+        cost = predicted_seconds(k, e, n_sessions, target, draft, h, overlap, n_drafting, lag, remaining,
                                  target_shared=target_shared, catch_up=catch_up)
         rate = e / max(cost + extra_drafting, 1e-9)
         if rate > best:
@@ -164,13 +180,6 @@ class Controller:
     target_shared: CostCurve = field(default_factory=CostCurve)  # empty: as `target`
     draft_prompt: CostCurve = field(default_factory=CostCurve)  # a catch-up's price; empty: as `draft`
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
-    # share of drafting steps whose drafts overlap made beside the last
-    # verification, across sessions: a new session's prior. A fixed prior
-    # (0.5) priced a fresh session's drafting at half its drafts in the open
-    # where nearly all are hidden, and once a session did not draft its
-    # share never moved: one session stayed target-only where drafting
-    # ran 1.2x faster.
-    hidden: float = 0.5
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     trials: dict[int, Trials] = field(default_factory=dict)
     new_trials: Callable[[int], Trials] = level_trials  # lambda level: Trials(credit=0.0, share=0.0): none
@@ -196,11 +205,13 @@ class Controller:
             self.trials[level] = self.new_trials(level)
         return self.trials[level]
 
-    def choose(self, acc: Acceptance | None, n_max: int, n_sessions: int, hidden: float, overlap: bool,
+    def choose(self, acc: Acceptance | None, n_max: int, n_sessions: int, hidden: float | None, overlap: bool,
                n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> int:
         """A session's draft length this step, a trial step's included
         (`Trials`); acc None asks whether drafting could pay at all now
-        (acceptance 1), or a trial is due (so the draft gets the prompt)."""
+        (acceptance 1), or a trial is due (so the draft gets the prompt).
+        `hidden`: 1 when overlap already made this step's drafts; None: the
+        steady share (`steady_hidden`)."""
         a = 1.0 if acc is None else acc.optimistic
         slow = self.slowdown(n_sessions)
         now = self.clock()
@@ -234,15 +245,13 @@ class Controller:
         return predicted_seconds(k, e, n_sessions, self.target, self.draft, hidden, overlap, n_drafting, lag,
                                  remaining, verify_tokens, self.target_shared, self.draft_prompt)
 
-    def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int, from_ahead: bool = False) -> None:
-        """After every step (n_drafted 0 when it did not draft; from_ahead:
-        its drafts were made beside the last verification)."""
+    def observe_step(self, acc: Acceptance, n_drafted: int, n_accepted: int) -> None:
+        """After every step (n_drafted 0 when it did not draft)."""
         acc.tick(n_drafted > 0)
         acc.observe(n_drafted, n_accepted)
         if n_drafted:
             self.overall.tick()
             self.overall.observe(n_drafted, n_accepted)
-            self.hidden += 0.05 * ((1.0 if from_ahead else 0.0) - self.hidden)
 
     def observe_time(self, n_sessions: int, drafted: bool, predicted: float, seconds: float,
                      batch_tokens: int = 0, draft_busy: bool = False, batch_seconds: float = 0.0) -> None:

@@ -220,7 +220,6 @@ class Router:
         result.speculative = s.with_draft = s.use_draft
         s.d_epoch = self.draft.epoch
         s.acc = self.controller.new_session()
-        s.hidden = self.controller.hidden if self.settings.overlap else 0.0
         return s
 
     async def _prompt(self, s: Session) -> None:
@@ -317,7 +316,8 @@ class Router:
         if not self.adaptive(p):
             return True
         n_target, n_all = step.session_load(self, s)
-        return self.controller.choose(None, self.n_max(p), n_target, s.hidden, self.settings.overlap, n_all) > 0
+        hidden = None if self.settings.overlap and not self.checkpoint_mode else 0.0
+        return self.controller.choose(None, self.n_max(p), n_target, hidden, self.settings.overlap, n_all) > 0
 
     async def _prefill(self, s: Session, draft_too: bool = True) -> None:
         """Decode the prompt but its last token on the target and (draft_too)

@@ -37,7 +37,6 @@ class Session:
         result.n_prompt = len(params.prompt)
         self.acc = None  # adaptive speculation: this session's acceptance
         self.draft_prefill = None  # the draft's prompt decode, when generation did not wait for it
-        self.hidden = 0.0  # share of drafting that overlap hid behind verification
         self.with_draft = False  # the draft holds (or held) this sequence
         # pipelined operations not awaited yet, per worker
         self.pending_t: list[asyncio.Future] = []

@@ -41,7 +41,7 @@ class StepLoad(NamedTuple):
     """What Controller.choose / predict weigh besides acceptance and k, in their order."""
 
     n_sessions: int  # sessions on the session's target (recent peak)
-    hidden: float  # share of drafting hidden behind verification
+    hidden: float | None  # share of drafting hidden behind verification; None: steady_hidden
     overlap: bool
     n_drafting: int  # all sessions (recent peak)
     lag: int  # tokens the draft must catch up on before drafting
@@ -121,15 +121,17 @@ def _plan(r, s: Session, remaining: int) -> Plan:
     n_target, n_all = session_load(r, s)
     # drafts the draft made beside the last verification cost this step
     # nothing: priced at the share overlap hides on average, taking 3 of
-    # 4 made could look better than taking all 4, which runs faster
-    hidden = 1.0 if s.ahead else s.hidden
+    # 4 made could look better than taking all 4, which runs faster.
+    # Otherwise the share a session drafting k sees (adaptive.steady_hidden)
+    ckpt = r.checkpoint_mode
+    hidden = 1.0 if s.ahead else (None if r.settings.overlap and not ckpt else 0.0)
     load = StepLoad(n_target, hidden, r.settings.overlap, n_all, 0 if s.ahead else n - 1 - s.n_d, remaining)
     if k > 0 and r.adaptive(p):
         if s.draft_prefill is not None and not s.draft_prefill.done():
             k = 0  # the draft still decodes the prompt: the target goes on alone
         else:
             k = r.controller.choose(s.acc, k, *load)
-    return Plan(t0, n, k, n_min, p_min, r.checkpoint_mode, load, 1.0 if s.ahead else 0.0)
+    return Plan(t0, n, k, n_min, p_min, ckpt, load, 1.0 if s.ahead else 0.0)
 
 
 # ----------------------------------------------------------------- draft
@@ -288,9 +290,8 @@ async def _roll_back_draft(r, s: Session, drafts: Drafts, keep: int) -> None:
 def _count(r, s: Session, drafts: Drafts, verdict: Verdict) -> None:
     out, a, n_drafts = verdict.ver.tokens, verdict.accepted, len(drafts.tokens)
     s.ctx.extend(out)
-    r.controller.observe_step(s.acc, n_drafts, a, drafts.from_ahead)
+    r.controller.observe_step(s.acc, n_drafts, a)
     if n_drafts:
-        s.hidden += 0.2 * ((1.0 if drafts.from_ahead else 0.0) - s.hidden)
         s.res.n_drafted += n_drafts
         s.res.n_accepted += a
     s.res.n_steps += 1
