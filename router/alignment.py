@@ -60,7 +60,7 @@ async def resync_draft(r, s: Session) -> None:
     await draft.clear(s.seq).result()
     s.n_d, s.ahead = 0, []
     if len(s.ctx) > 1:
-        await draft.decode(s.seq, 0, s.ctx[:-1]).result()
+        await draft.decode(s.seq, 0, s.ctx[:-1], draft_busy=r.targets.busy).result()
         s.n_d = len(s.ctx) - 1
 
 

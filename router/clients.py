@@ -131,12 +131,13 @@ class _Ops:
                           draft_q=list(draft_q), n_more=n_more))
 
     def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
-                sampling: Sampling | None = None, sample_index: int = 0) -> Op:
+                sampling: Sampling | None = None, sample_index: int = 0, target_busy: bool = False) -> Op:
         """`sampling`: sample the drafts (and return their q) for the request's
-        token `sample_index` on; None: the draft's most likely tokens."""
+        token `sample_index` on; None: the draft's most likely tokens.
+        `target_busy`: the target computes meanwhile (ProposeRequest.target_busy)."""
         extra = {} if sampling is None else {"sampling": sampling, "sample_index": sample_index}
         return Op(partial(self._send_tracked, "propose", seq_id=seq_id, pos=pos, tokens=tokens, n_max=n_max,
-                                     n_min=n_min, p_min=p_min, **extra))
+                                     n_min=n_min, p_min=p_min, target_busy=target_busy, **extra))
 
 
 class GrpcWorker(_Ops):
@@ -361,6 +362,7 @@ class LocalWorker(_Ops):
 
     async def _send(self, name: str, **f) -> asyncio.Future:
         f.pop("draft_busy", None)  # one process: nothing to share cores with
+        f.pop("target_busy", None)
         method = codec.engine_method(name)
         return self._call(lambda: getattr(self.engine, method)(**f))
 

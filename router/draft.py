@@ -80,7 +80,10 @@ class DraftLink:
         await self.client.clear(-1).result()
         self.info = info
         r.pool.forget_draft()
-        r.controller.draft = CostCurve(info.decode_costs)
+        # drafts are mostly made beside a verification, on the draft's base
+        # threads: a draft that borrows more while the target waits is priced
+        # as it runs beside it, which errs towards drafting less
+        r.controller.draft = CostCurve(info.decode_costs_shared or info.decode_costs)
         r.controller.draft_prompt = CostCurve(info.prompt_costs)
         r.fit_sizes()
         self.up = True

@@ -328,7 +328,9 @@ class Router:
         pend_t, pend_d = s.pending_t, s.pending_d
         s.pending_t, s.pending_d = [], []
         if s.use_draft and draft_too and s.n_d < n:
-            fut = await self.draft.client.decode(s.seq, s.n_d, s.ctx[s.n_d : n]).issue()
+            # beside the target's prefill, unless the prompt cache kept all of it there
+            busy = s.n_t < n or self.targets.busy
+            fut = await self.draft.client.decode(s.seq, s.n_d, s.ctx[s.n_d : n], draft_busy=busy).issue()
             if self.adaptive(s.p) and self.targets.n_sessions > 1:
                 # under load generation starts without waiting: steps do not draft until it is done
                 s.draft_prefill = fut

@@ -173,11 +173,13 @@ async def _propose(r, s: Session, plan: Plan, d: Drafts) -> None:
     try:
         if plan.ckpt:
             ck = await draft.checkpoint_save(s.seq).issue()
+        busy = r.targets.busy
         prop = await draft.propose(s.seq, s.n_d, s.ctx[s.n_d :], plan.k, plan.n_min, plan.p_min,
-                                   s.p.draft_sampling, s.res.n_generated).result()
+                                   s.p.draft_sampling, s.res.n_generated, target_busy=busy).result()
         d.tokens, d.q = prop.tokens, prop.q
         d.compute = prop.compute_seconds
-        r.controller.draft.observe(prop.batch_tokens, prop.batch_seconds)
+        if busy:  # the draft's curve is of its base threads (DraftLink.attach); alone it may have run on more
+            r.controller.draft.observe(prop.batch_tokens, prop.batch_seconds)
         d.held = prop.state.pos_max + 1
         if ck is not None:
             d.checkpoint = (await ck).handle
@@ -196,8 +198,10 @@ async def _continuation(r, s: Session, plan: Plan, drafts: Drafts, remaining: in
     if (r.settings.overlap and s.use_draft and tokens and not plan.ckpt and next_k >= 1
             and drafts.held == n + len(tokens) - 1):
         # its first token guesses the one after the drafts: sample index n_generated + len(drafts)
+        # beside the verification sent next: on the draft's base threads
         return await r.draft.client.propose(s.seq, drafts.held, tokens[-1:], next_k + 1, 0, plan.p_min,
-                                            s.p.draft_sampling, s.res.n_generated + len(tokens)).issue()
+                                            s.p.draft_sampling, s.res.n_generated + len(tokens),
+                                            target_busy=True).issue()
     return None
 
 

@@ -61,6 +61,12 @@ class TargetSet:
     def n_sessions(self) -> int:
         return sum(t.n_active for t in self.slots)
 
+    @property
+    def busy(self) -> bool:
+        """Whether some target computes for the router right now: the draft
+        then leaves it the cores it would borrow (ProposeRequest.target_busy)."""
+        return any(getattr(t.client, "computing", 0) > 0 for t in self.slots)
+
     async def start(self) -> None:
         """Attach every target; refuse one serving another model. Needs one
         answering; the others are attached later by watchers."""

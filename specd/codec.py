@@ -201,7 +201,7 @@ def engine_method(op: str) -> str:
 
 def op_pb(op: str, **args) -> pb.WorkerOp:
     """An operation as a WorkerOp, from the engine method's keyword arguments
-    (`draft_busy` too, for decode and verify)."""
+    (`draft_busy` too, for decode and verify; `target_busy` for propose)."""
     if args.get("sampling") is not None:
         args["sampling"] = sampling_pb(args["sampling"])
     if "draft_q" in args:
@@ -210,7 +210,7 @@ def op_pb(op: str, **args) -> pb.WorkerOp:
 
 
 # an operation's request -> the engine method's keyword arguments (draft_busy
-# is for the worker: WorkerEngine.share_cores)
+# and target_busy are for the worker: WorkerEngine.share_cores)
 _ARGS: dict[str, Any] = {
     "decode": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens),
     "seq_rm": lambda r: dict(seq_id=r.seq_id, p0=r.p0, p1=r.p1),

@@ -32,6 +32,7 @@ class ClusterSpec:
     target_threads: int = 1
     draft_threads: int = 1
     target_threads_batch: int = 0  # 0: target_threads
+    draft_threads_batch: int = 0  # 0: draft_threads
     n_ctx: int = 2048
     n_seq: int = 4
     host: str = "127.0.0.1"
@@ -173,7 +174,9 @@ class Cluster:
             draft_addr = ""
             if s.draft_model or s.ngram:
                 src = ["--ngram", s.ngram] if s.ngram else ["--model", s.draft_model]
-                self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *src, *s.draft_args], self.workdir)
+                batch = ["--threads-batch", str(s.draft_threads_batch)] if s.draft_threads_batch else []
+                self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *batch, *src,
+                                                     *s.draft_args], self.workdir)
                 draft_addr = f"{s.host}:{self.procs['draft'].wait_port(deadline)}"
                 if s.target_threads_batch > s.target_threads and not s.start_together:
                     # the target times its batches on the draft's cores too
@@ -251,8 +254,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def default_threads() -> tuple[int, int, int]:
-    """Target threads, target batch threads and draft threads for one machine.
+def default_threads() -> tuple[int, int, int, int]:
+    """Target threads, target batch threads, draft threads and draft batch
+    threads for one machine.
 
     The draft keeps one core while it computes. Otherwise the target
     decodes on every core, single tokens included: while it verifies, the
@@ -260,6 +264,9 @@ def default_threads() -> tuple[int, int, int]:
     or adaptive under load) it idles. A single token is memory-bound and an
     idle core reads half the weights for it (docs/perf). The worker drops to
     its base threads whenever the router says the draft is computing.
+    Likewise the draft drafts on every core while the target waits for its
+    drafts (a step whose drafts overlap did not make), and on one beside a
+    verification (ProposeRequest.target_busy).
     """
     n = os.cpu_count() or 2
-    return max(1, n - 1), n, 1
+    return max(1, n - 1), n, 1, n

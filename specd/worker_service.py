@@ -48,7 +48,9 @@ def _steps(kind: str, e, r) -> Steps:
 
 
 def _draft_busy(r) -> bool:
-    return getattr(r, "draft_busy", False)
+    """Whether the other worker computes meanwhile (DecodeRequest.draft_busy,
+    ProposeRequest.target_busy): then decode on the base threads."""
+    return getattr(r, "target_busy", False) or getattr(r, "draft_busy", False)
 
 
 def _call(kind: str, e, r):

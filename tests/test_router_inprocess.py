@@ -3,6 +3,7 @@ overlap on and off agree, and sampled output follows the target's distribution."
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import numpy as np
 import pytest
@@ -153,3 +154,27 @@ def test_sampled_distribution_matches_target_only(engines):
                                                       acceptance="exact") for i in range(20)])
     same = run(engines, RouterSettings(), [GenParams(prompt=prompt, max_tokens=3, speculative=False, sampling=samp(i)) for i in range(20)])
     assert [t for t, _ in same] == [t for t, _ in exact]
+
+
+def test_continuations_tell_the_draft_the_target_is_busy(engines):
+    """A continuation runs beside the verification sent right after it: the
+    draft must keep to its base threads there (ProposeRequest.target_busy);
+    a proposal the target waits for, with no target computing, may take
+    every core."""
+    prompts = [engines[0].tokenize(p, True, True) for p in PROMPTS[:2]]
+    sent = []
+
+    def spy(r):
+        propose = r.draft.client.propose
+
+        def recording(seq_id, pos, tokens, n_max, n_min, p_min, *rest, target_busy=False, **kw):
+            sent.append((sys._getframe(1).f_code.co_name == "_continuation", target_busy, r.targets.busy))
+            return propose(seq_id, pos, tokens, n_max, n_min, p_min, *rest, target_busy=target_busy, **kw)
+
+        r.draft.client.propose = recording
+
+    run(engines, RouterSettings(check_alignment=True), [GenParams(prompt=p, max_tokens=32, n_max=4) for p in prompts],
+        spy)
+    assert any(cont for cont, _, _ in sent) and any(not cont for cont, _, _ in sent)
+    for cont, told, busy in sent:
+        assert told == (cont or busy), sent

@@ -87,6 +87,30 @@ def test_model_info_carries_a_calibrated_cost_curve(target):
     assert not target[0].GetModelInfo(pb.GetModelInfoRequest()).prompt_costs
 
 
+def test_a_draft_drafts_on_every_core_only_while_the_target_waits(models):
+    """ProposeRequest.target_busy: a draft with --threads-batch 2 drafts on
+    both threads when the target waits for its drafts, and on --threads
+    beside a verification (two processes' threads on two cores make
+    llama.cpp's spin at every barrier). The drafts are the same either way."""
+    from specd.scheduler import Window
+    from specd.worker_service import run_round
+
+    engine = DraftModelEngine(LlamaConfig(models["draft"], n_ctx_seq=64, n_seq=1, n_threads=1, n_threads_batch=2))
+    prompt = engine.tokenize("The capital of France is", True, False)
+    drafts = []
+    try:
+        for busy, threads in ((False, 2), (True, 1), (False, 2)):
+            engine.clear(0)
+            op = pb.WorkerOp(propose=pb.ProposeRequest(seq_id=0, pos=0, tokens=prompt, n_max=3, target_busy=busy))
+            [res] = run_round(engine, Window(batch=[op]))
+            assert res.WhichOneof("result") == "propose", res
+            assert engine.model.threads_now == threads
+            drafts.append(list(res.propose.tokens))
+    finally:
+        engine.model.close()
+    assert len(drafts[0]) == 3 and drafts.count(drafts[0]) == 3
+
+
 def test_calibration_times_steps_with_every_tokens_logits_and_prompts_with_one(models):
     """Drafting and verification want logits for every token, and an output
     row is not free (the Q4_1 draft: 2 tokens 14 ms with one row, 20 with

@@ -205,10 +205,11 @@ class DecodeRequest(_message.Message):
     pos: _builtins.int
     """Position of tokens[0]; must be pos_max + 1 of the sequence (0 when empty)."""
     draft_busy: _builtins.bool
-    """The sender runs draft work at the same time. A worker whose
-    --threads-batch exceeds --threads then decodes on --threads, leaving the
-    cores it would borrow to the draft (workers sharing one machine); a
-    batch of several operations does so if any of them sets it.
+    """The other worker computes at the same time (to a target: the draft; to
+    a draft: the target). A worker whose --threads-batch exceeds --threads
+    then decodes on --threads, leaving the cores it would borrow to the
+    other (workers sharing one machine); a batch of several operations does
+    so if any of them sets it.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -910,6 +911,7 @@ class ProposeRequest(_message.Message):
     P_MIN_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
+    TARGET_BUSY_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0]; must be pos_max + 1 of the sequence."""
@@ -923,6 +925,12 @@ class ProposeRequest(_message.Message):
     """Index within the request of the token d0 would become (the
     VerifyRequest.sample_index of the verification that checks d0); selects
     the draft's random numbers. Used with `sampling` only.
+    """
+    target_busy: _builtins.bool
+    """The target computes at the same time (a continuation beside a
+    verification, other sessions' batches): the draft decodes on --threads.
+    False: the target waits for these drafts, and a draft whose
+    --threads-batch exceeds --threads decodes on all of them.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -949,10 +957,11 @@ class ProposeRequest(_message.Message):
         p_min: _builtins.float = ...,
         sampling: Global___SamplingParams | None = ...,
         sample_index: _builtins.int = ...,
+        target_busy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["n_max", b"n_max", "n_min", b"n_min", "p_min", b"p_min", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "target_busy", b"target_busy", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
