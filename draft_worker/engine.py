@@ -106,7 +106,10 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         super().__init__(n_seq, n_ctx_seq, n_vocab=n_vocab)
         self.spec = spec
         kwargs = {"cache_path": cache_path} if cache_path else {}
-        self.proposers = [make_proposer(spec, **kwargs) for _ in range(n_seq)]
+        self._make = lambda: make_proposer(spec, **kwargs)
+        # one per sequence on its first proposal (a mod table is 16 MB): a
+        # router drafting in process offers llama.cpp's most sequence ids
+        self.proposers = {0: self._make()}  # a bad spec fails here, not at the first proposal
         self.verified = [VerifiedPrefix() for _ in range(n_seq)]
 
     def info(self) -> ModelInfo:
@@ -128,7 +131,7 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         known = self.verified[seq_id]
         # learners learn and judge their drafts on verified tokens only
         n_verified = known.update(history, len(history) - len(toks))
-        proposer = self.proposers[seq_id]
+        proposer = self.proposers.get(seq_id) or self.proposers.setdefault(seq_id, self._make())
         proposer.observe(history[:n_verified])
         drafts = [int(t) for t in proposer.propose(history, n_max, n_verified)][:n_max]
         if len(drafts) > 1:
@@ -142,5 +145,6 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
     def clear(self, seq_id: int) -> None:
         super().clear(seq_id)
         for i in range(self.n_seq) if seq_id == -1 else [seq_id]:
-            self.proposers[i].reset()
+            if i in self.proposers:
+                self.proposers[i].reset()
             self.verified[i].reset()

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import uuid
 
-from specd.router.clients import GrpcWorker
+from specd.router.clients import GrpcWorker, LocalWorker
 from specd.router.engine import Router
 from specd.router.params import RouterSettings
 from specd.router.http_server import start_http
@@ -28,6 +28,25 @@ def settings_of(cfg: RouterConfig) -> RouterSettings:
                           check_alignment=cfg.check_alignment, max_queue=cfg.max_queue, overlap=cfg.overlap,
                           adaptive=cfg.adaptive, prompt_cache=cfg.prompt_cache,
                           draft_wait=cfg.draft_wait, solo_tokens=cfg.solo_tokens)
+
+
+# An n-gram drafter in the router offers as many sequences and as long a
+# context as llama.cpp could hold: the router fits both to its targets'.
+IN_PROCESS_SEQS = 256
+IN_PROCESS_CTX = 1 << 24
+
+
+def in_process_ngram(cfg: RouterConfig) -> LocalWorker:
+    """The model-free drafter of --ngram, called in this process: an n-gram
+    proposal takes microseconds, a round trip to a draft worker about a
+    millisecond, and a step without a match pays it with nothing to show."""
+    from specd.draft_worker.engine import NgramEngine  # numpy-heavy: only when asked for
+
+    try:
+        engine = NgramEngine(cfg.ngram, IN_PROCESS_SEQS, IN_PROCESS_CTX, cfg.ngram_cache or None)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"specd router: --ngram {cfg.ngram}: {exc}") from None
+    return LocalWorker(engine, "draft")
 
 
 async def connect(router: Router, stopping: asyncio.Event) -> None:
@@ -87,7 +106,9 @@ async def serve(cfg: RouterConfig) -> None:
 
     addresses = [a.strip() for a in cfg.target.split(",") if a.strip()]
     targets = [worker(a, "target" if len(addresses) == 1 else f"target {i}") for i, a in enumerate(addresses)]
-    draft = worker(cfg.draft, "draft") if cfg.draft else None
+    if cfg.draft and cfg.ngram:
+        raise ConfigError("specd router: --draft and --ngram exclude each other (one drafter)")
+    draft = worker(cfg.draft, "draft") if cfg.draft else (in_process_ngram(cfg) if cfg.ngram else None)
     router = Router(targets, draft, settings_of(cfg))
     metrics = RouterPrometheus()
     router.step_observers.append(metrics.observe_step)
@@ -120,7 +141,8 @@ async def serve(cfg: RouterConfig) -> None:
         servicer.ready = True
         readiness = asyncio.ensure_future(follow_readiness(router, life))
         log.info("router %s ready: target %s%s%s%s", router_id, cfg.target,
-                 f", draft {cfg.draft}" if cfg.draft else " (no draft)",
+                 f", draft {cfg.draft}" if cfg.draft else (f", n-gram drafter {cfg.ngram} in process" if cfg.ngram
+                                                           else " (no draft)"),
                  ", workers over TLS" if worker_creds is not None else "",
                  ", API keys required" if interceptors else "")
 

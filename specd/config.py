@@ -133,6 +133,8 @@ class WorkerConfig(ServerConfig):
 class RouterConfig(ServerConfig):
     target: str = ""
     draft: str = ""
+    ngram: str = ""  # a model-free drafter in the router process instead of a draft worker
+    ngram_cache: str = ""
     n_max: int = _ROUTER.n_max
     n_min: int = _ROUTER.n_min
     p_min: float = _ROUTER.p_min
@@ -215,6 +217,9 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--target", str, "", "target worker HOST:PORT; a comma list of several spreads sessions over them "
                                 "and moves a session whose target dies to another")
     add(p, "--draft", str, "", "draft worker HOST:PORT (none: target-only)")
+    add(p, "--ngram", str, "", "instead of --draft: a model-free drafter in the router process, as `specd draft "
+        "--ngram` takes it (no round trip to a worker per step; it holds no KV)")
+    add(p, "--ngram-cache", str, "", "with --ngram: file the `cache` drafter loads its static n-gram cache from")
     r = _ROUTER
     add(p, "--n-max", int, r.n_max, "default draft tokens per step")
     add(p, "--n-min", int, r.n_min, "default minimum draft tokens worth verifying")

@@ -29,6 +29,9 @@ class ClusterSpec:
     target_model: str
     draft_model: str = ""
     ngram: str = ""
+    # with ngram: draft in the router process (router --ngram), as `specd up`
+    # does; False: in a draft worker process of its own (specd draft --ngram)
+    ngram_in_router: bool = True
     target_threads: int = 1
     draft_threads: int = 1
     target_threads_batch: int = 0  # 0: target_threads
@@ -172,7 +175,7 @@ class Cluster:
         try:
             names = ["target"] + [f"target{i + 1}" for i in range(1, s.n_targets)]
             draft_addr = ""
-            if s.draft_model or s.ngram:
+            if s.draft_model or (s.ngram and not s.ngram_in_router):
                 src = ["--ngram", s.ngram] if s.ngram else ["--model", s.draft_model]
                 batch = ["--threads-batch", str(s.draft_threads_batch)] if s.draft_threads_batch else []
                 self.procs["draft"] = Proc("draft", [*self._worker_args("draft", s.draft_threads), *batch, *src,
@@ -200,6 +203,8 @@ class Cluster:
                     *self._metrics_args("router"), *self._key_args(), *s.router_args]
             if draft_addr:
                 args += ["--draft", draft_addr]
+            elif s.ngram:
+                args += ["--ngram", s.ngram]
             self.procs["router"] = Proc("router", args, self.workdir)
             self.router_address = f"{s.host}:{self.procs['router'].wait_port(deadline)}"
             wait_serving(self.router_address, deadline, list(self.procs.values()), s.router_credentials)

@@ -16,10 +16,14 @@ COPY_HEAVY = [json.loads(line)["prompt"] for line in
               (pathlib.Path(__file__).parent.parent / "bench" / "copy_heavy.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("spec", [*PROPOSER_NAMES, "map-k,simple"])
-def test_ngram_greedy_identical(cluster_factory, spec):
-    # the target as `specd up` runs it: batches on both cores unless the draft computes
-    c = cluster_factory(draft_model="", ngram=spec, n_ctx=1024, n_seq=1, metrics=True,
+@pytest.mark.parametrize("spec,in_router", [*((name, True) for name in PROPOSER_NAMES), ("map-k,simple", True),
+                                           ("simple", False), ("mod", False)])
+def test_ngram_greedy_identical(cluster_factory, spec, in_router):
+    """In the router (router --ngram, as `specd up` runs it) or in a draft
+    worker process of its own (specd draft --ngram), the drafter only ever
+    changes speed. The target as `specd up` runs it: batches on both cores
+    unless the draft computes."""
+    c = cluster_factory(draft_model="", ngram=spec, ngram_in_router=in_router, n_ctx=1024, n_seq=1, metrics=True,
                         target_threads=1, target_threads_batch=2)
     batches = "specd_worker_decode_multi_token_batches_total"
     drafted = accepted = 0

@@ -3,6 +3,8 @@ token ids like the model workers do, although it has no vocabulary of its
 own, and the router holds it to the target's vocabulary size when given one."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
@@ -134,7 +136,7 @@ def test_check_vocab_holds_an_ngram_drafter_to_its_vocabulary_size():
 
 
 def test_router_refuses_an_ngram_drafter_of_another_vocabulary_size(models):
-    spec = ClusterSpec(target_model=models["target"], ngram="simple", n_ctx=256, n_seq=1,
+    spec = ClusterSpec(target_model=models["target"], ngram="simple", ngram_in_router=False, n_ctx=256, n_seq=1,
                        draft_args=["--n-vocab", "1000"])
     with pytest.raises(ProcessDied) as err:
         Cluster(spec).start(timeout=120)
@@ -150,3 +152,17 @@ def test_a_reused_workdir_old_port_file_is_not_read_as_the_new_port(tmp_path):
         assert not address.endswith(":1")
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ngram", "simple", "--draft", "127.0.0.1:1"], "--draft and --ngram exclude each other"),
+    (["--ngram", "simple:size-n=0"], "--ngram simple:size-n=0"),
+    (["--ngram", "nonsense"], "--ngram nonsense"),
+])
+def test_router_refuses_a_bad_in_process_ngram_drafter_naming_the_flag(tmp_path, args, message):
+    """router --ngram: a bad spec or a second drafter ends the router at start
+    with a message naming the flag, before it listens."""
+    proc = subprocess.run([sys.executable, "-m", "specd", "router", "--target", "127.0.0.1:1", "--port", "0",
+                           "--http-port", "0", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
