@@ -131,7 +131,9 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         known = self.verified[seq_id]
         # learners learn and judge their drafts on verified tokens only
         n_verified = known.update(history, len(history) - len(toks))
-        proposer = self.proposers.get(seq_id) or self.proposers.setdefault(seq_id, self._make())
+        proposer = self.proposers.get(seq_id)
+        if proposer is None:
+            proposer = self.proposers[seq_id] = self._make()
         proposer.observe(history[:n_verified])
         drafts = [int(t) for t in proposer.propose(history, n_max, n_verified)][:n_max]
         if len(drafts) > 1:
