@@ -314,12 +314,17 @@ def _account(r, s: Session, plan: Plan, drafts: Drafts, verdict: Verdict, c_cont
     # target's batch as it was and a lagging draft's catch-up paid in full
     # at the load it really had (choices use the recent peak: RecentPeak)
     n_target, n_all = s.tgt.n_active, r.targets.n_sessions
-    predicted = r.controller.predict(s.acc, plan.k, n_target, plan.hidden_now, plan.load.overlap, n_all,
+    n_drafts = len(drafts.tokens)
+    predicted = r.controller.predict(s.acc, n_drafts or plan.k, n_target, plan.hidden_now, plan.load.overlap, n_all,
                                      plan.load.lag, verify_tokens=ver.batch_tokens)
-    # a step the target went on alone in counts as that many plain steps
-    # sharing one round trip: what a plain token costs now
-    r.controller.observe_time(n_target, plan.k > 0, predicted, stats.step_seconds / (1 + ver.n_more),
-                              ver.batch_tokens, verdict.draft_busy, ver.batch_seconds)
+    # a step that asked for drafts and got none (an n-gram drafter without
+    # a match) is neither: counted as drafting, its cheap one-token steps
+    # drowned what verifying 48 drafts beside 7 sessions really cost, and
+    # eight sessions drafted at a loss. A step the target went on alone in
+    # counts as that many plain steps sharing one round trip.
+    if n_drafts or not plan.k:
+        r.controller.observe_time(n_target, n_drafts > 0, predicted, stats.step_seconds / (1 + ver.n_more),
+                                  ver.batch_tokens, verdict.draft_busy, ver.batch_seconds)
     for obs in r.step_observers:
         obs(stats)
     if log.isEnabledFor(logging.DEBUG):

@@ -178,3 +178,34 @@ def test_continuations_tell_the_draft_the_target_is_busy(engines):
     assert any(cont for cont, _, _ in sent) and any(not cont for cont, _, _ in sent)
     for cont, told, busy in sent:
         assert told == (cont or busy), sent
+
+
+def test_a_step_whose_drafter_had_no_match_teaches_no_step_time(engines):
+    """An n-gram drafter without a match leaves a step asked to draft with
+    one token to verify: neither a drafting step nor a plain one (a plain
+    step lets the target go on alone). Counted as drafting, such cheap
+    steps drowned what verifying long drafts beside other sessions cost,
+    and eight sessions drafted at a loss; only steps that verified drafts
+    teach the drafting figures, only steps that asked for none the plain."""
+    from specd.draft_worker.engine import NgramEngine
+    from tests.test_e2e_ngram import COPY_HEAVY
+
+    prompts = [engines[0].tokenize(p, True, True) for p in (COPY_HEAVY[0], COPY_HEAVY[5])]
+    seen, steps = [], []
+
+    async def main():
+        r = Router(LocalWorker(engines[0], "target"), LocalWorker(NgramEngine("simple", 1, 512), "draft"),
+                   RouterSettings(check_alignment=True))
+        await r.start()
+        observe = r.controller.observe_time
+        r.controller.observe_time = lambda n, drafted, *rest, **kw: (seen.append(drafted), observe(n, drafted, *rest, **kw))
+        r.step_observers.append(steps.append)
+        for p in prompts:
+            await _generate(r, GenParams(prompt=p, max_tokens=48, n_max=8, adaptive=False))
+
+    asyncio.run(main())
+    no_match = sum(st.n_drafted == 0 for st in steps)
+    assert no_match > 0 and any(st.n_drafted for st in steps)
+    assert seen.count(True) == sum(st.n_drafted > 0 for st in steps)
+    # plain: only each request's last step, whose one token left asks for no drafts
+    assert seen.count(False) <= len(prompts) and len(seen) <= len(steps) - no_match + len(prompts)
