@@ -169,6 +169,23 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
     return best_k
 
 
+def choose_alone(a: float, n_max: int, n_sessions: int, target: CostCurve, margin: float = 0.10,
+                 extra_plain: float = 0.0, extra_drafting: float = 0.0) -> int:
+    """A draft length for a session whose drafting the others do not share:
+    a model-free drafter drafts only where it finds a match, so one
+    session's k + 1 tokens go into a batch of the others' single tokens,
+    and slow all of them. The k in [0, n_max] with the most tokens per
+    second for all n_sessions together, drafting beating plain by `margin`."""
+    b = max(n_sessions, 1)
+    best_k = 0
+    best = (1.0 + margin) * b / max(target(b) + extra_plain, 1e-9)
+    for k in range(1, n_max + 1):
+        rate = (b - 1 + expected_tokens(a, k)) / max(target(b + k) + extra_drafting, 1e-9)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
 @dataclass
 class Controller:
     """What the router keeps for adaptive speculation: both workers' cost
@@ -192,6 +209,9 @@ class Controller:
     margin: float = 0.10
     untried_margin: float = 0.25
     clock: Callable[[], float] = time.monotonic
+    # a model-free drafter (DraftLink.attach): under load a session's drafts
+    # are priced by what they cost the sessions that do not draft (choose_alone)
+    model_free: bool = False
 
     def new_session(self) -> Acceptance:
         return Acceptance(prior=self.overall.rate)
@@ -217,11 +237,20 @@ class Controller:
         now = self.clock()
         extra_plain, extra_drafting = slow.extras(now)
         w = slow.freshness(now)
-        k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap,
-                                margin=w * self.margin + (1.0 - w) * self.untried_margin,
-                                n_drafting=n_drafting, lag=lag, remaining=remaining,
-                                extra_plain=extra_plain, extra_drafting=extra_drafting,
-                                target_shared=self.target_shared, catch_up=self.draft_prompt)
+        margin = w * self.margin + (1.0 - w) * self.untried_margin
+        if self.model_free and n_sessions > 1 and len(self.target) >= 2:
+            # the acceptance itself, without the exploration bonus: over long
+            # copied runs a token's is 0.94-0.97, and lifted to 1 it priced a
+            # 48-token draft as 49 tokens; a session that stopped drafting
+            # tries again as its evidence fades to the prior and the load
+            # level's slowdown to the model
+            k = choose_alone(1.0 if acc is None else acc.rate, n_max, n_sessions, self.target, margin,
+                             extra_plain, extra_drafting)
+        else:
+            k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap, margin=margin,
+                                    n_drafting=n_drafting, lag=lag, remaining=remaining,
+                                    extra_plain=extra_plain, extra_drafting=extra_drafting,
+                                    target_shared=self.target_shared, catch_up=self.draft_prompt)
         trials = self.trial(n_sessions)
         if acc is None:
             return k or (n_max if trials.due() else 0)

@@ -85,6 +85,7 @@ class DraftLink:
         # as it runs beside it, which errs towards drafting less
         r.controller.draft = CostCurve(info.decode_costs_shared or info.decode_costs)
         r.controller.draft_prompt = CostCurve(info.prompt_costs)
+        r.controller.model_free = info.kind != ModelEngine.kind
         r.fit_sizes()
         self.up = True
 

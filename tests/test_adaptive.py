@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from specd.router.adaptive import (Acceptance, Controller, choose_draft_length, expected_tokens, round_seconds,
-                                   steady_hidden)
+from specd.router.adaptive import (Acceptance, Controller, choose_alone, choose_draft_length, expected_tokens,
+                                   round_seconds, steady_hidden)
 from specd.router.costs import CostCurve
 from specd.router.load import RecentPeak, Trials
 from specd.scheduler import op_key, take_window
@@ -462,3 +462,37 @@ def test_steady_hidden_share_falls_with_k_and_rises_with_acceptance(k):
         assert 0.0 <= h <= 1.0
         assert steady_hidden(a, k + 1) <= h <= steady_hidden(a + 0.1, k)
     assert steady_hidden(1.0, k) == 1.0
+
+
+# the F32 target's curve as its worker timed it on this 2-core machine
+MEASURED_TARGET = CostCurve([(1, .0249), (2, .0261), (4, .0332), (8, .0384), (16, .0509), (32, .0758), (64, .1093)])
+
+
+def test_a_model_free_drafters_long_match_is_priced_by_what_it_costs_the_others():
+    """Eight n-gram sessions on copy-heavy prompts: a 48-token match goes
+    into a batch of the other seven's single tokens, 56 tokens where a
+    plain round has 8, and slows all of them; priced as if every session
+    drafted alike, with the acceptance lifted to 1 by the exploration
+    bonus, specd drafted 1071 tokens at 8 sessions and ran at 0.89x of
+    itself without drafting. Priced by all sessions' tokens per second,
+    a round of one long match does not pay once the load level has shown
+    what such steps add; good acceptance still drafts on a fresh model,
+    and poorer acceptance drafts shorter."""
+    ks = [choose_alone(a, 48, 8, MEASURED_TARGET) for a in (0.8, 0.9, 0.95)]
+    assert 0 < ks[0] <= ks[1] <= ks[2] < 48, ks
+    assert choose_alone(0.967, 48, 8, MEASURED_TARGET, extra_plain=0.007, extra_drafting=0.11) == 0
+    assert choose_alone(0.5, 48, 8, MEASURED_TARGET) == 0
+
+
+def test_under_load_a_model_free_session_drafts_by_its_acceptance_not_its_bonus():
+    no_trials = dict(new_trials=lambda level: Trials(credit=0.0, share=0.0))
+    acc = Acceptance(prior=0.97)
+    for _ in range(3):  # long copied runs: 31 of 32 drafts, then a miss
+        acc.tick()
+        acc.observe(32, 31)
+    assert acc.optimistic == 1.0 and acc.rate < 0.98
+    free = Controller(target=MEASURED_TARGET, draft=CostCurve(), model_free=True, **no_trials)
+    model = Controller(target=MEASURED_TARGET, draft=CostCurve(), **no_trials)
+    assert model.choose(acc, 48, 8, None, True, 8) == 48
+    assert 0 < free.choose(acc, 48, 8, None, True, 8) < 48
+    assert free.choose(acc, 48, 1, None, True, 1) == model.choose(acc, 48, 1, None, True, 1)  # alone: as before

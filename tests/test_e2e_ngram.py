@@ -17,7 +17,7 @@ COPY_HEAVY = [json.loads(line)["prompt"] for line in
 
 
 @pytest.mark.parametrize("spec,in_router", [*((name, True) for name in PROPOSER_NAMES), ("map-k,simple", True),
-                                           ("simple", False), ("mod", False)])
+                                           ("simple", False)])
 def test_ngram_greedy_identical(cluster_factory, spec, in_router):
     """In the router (router --ngram, as `specd up` runs it) or in a draft
     worker process of its own (specd draft --ngram), the drafter only ever
