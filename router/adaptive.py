@@ -176,6 +176,8 @@ def choose_alone(a: float, n_max: int, n_sessions: int, target: CostCurve, margi
     session's k + 1 tokens go into a batch of the others' single tokens,
     and slow all of them. The k in [0, n_max] with the most tokens per
     second for all n_sessions together, drafting beating plain by `margin`."""
+    if len(target) < 2 or n_max <= 0:  # as choose_draft_length: no idea yet how cost grows
+        return n_max
     b = max(n_sessions, 1)
     best_k = 0
     best = (1.0 + margin) * b / max(target(b) + extra_plain, 1e-9)
@@ -238,7 +240,7 @@ class Controller:
         extra_plain, extra_drafting = slow.extras(now)
         w = slow.freshness(now)
         margin = w * self.margin + (1.0 - w) * self.untried_margin
-        if self.model_free and n_sessions > 1 and len(self.target) >= 2:
+        if self.model_free and n_sessions > 1:
             # the acceptance itself, without the exploration bonus: over long
             # copied runs a token's is 0.94-0.97, and lifted to 1 it priced a
             # 48-token draft as 49 tokens; a session that stopped drafting

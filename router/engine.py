@@ -316,8 +316,8 @@ class Router:
         if not self.adaptive(p):
             return True
         n_target, n_all = step.session_load(self, s)
-        hidden = None if self.settings.overlap and not self.checkpoint_mode else 0.0
-        return self.controller.choose(None, self.n_max(p), n_target, hidden, self.settings.overlap, n_all) > 0
+        return self.controller.choose(None, self.n_max(p), n_target, step.open_hidden(self, self.checkpoint_mode),
+                                      self.settings.overlap, n_all) > 0
 
     async def _prefill(self, s: Session, draft_too: bool = True) -> None:
         """Decode the prompt but its last token on the target and (draft_too)

@@ -84,6 +84,13 @@ class Verdict:
         return len(self.ver.tokens) - 1 - self.ver.n_more
 
 
+def open_hidden(r, ckpt: bool) -> float | None:
+    """The hidden share of a step without drafts made ahead: with overlap,
+    the share a session drafting k sees (None: adaptive.steady_hidden);
+    without (or in checkpoint mode, which has no continuation) none."""
+    return None if r.settings.overlap and not ckpt else 0.0
+
+
 def session_load(r, s: Session) -> SessionLoad:
     now = time.monotonic()
     return SessionLoad(s.tgt.peak.load(s.tgt.n_active, now), r.peak.load(r.targets.n_sessions, now))
@@ -124,7 +131,7 @@ def _plan(r, s: Session, remaining: int) -> Plan:
     # 4 made could look better than taking all 4, which runs faster.
     # Otherwise the share a session drafting k sees (adaptive.steady_hidden)
     ckpt = r.checkpoint_mode
-    hidden = 1.0 if s.ahead else (None if r.settings.overlap and not ckpt else 0.0)
+    hidden = 1.0 if s.ahead else open_hidden(r, ckpt)
     load = StepLoad(n_target, hidden, r.settings.overlap, n_all, 0 if s.ahead else n - 1 - s.n_d, remaining)
     if k > 0 and r.adaptive(p):
         if s.draft_prefill is not None and not s.draft_prefill.done():

@@ -218,7 +218,7 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
     draft, _ = resolve_draft(next((d for d in split_drafts(args.drafts) if not d.startswith("ngram:")), "q4_1"))
     n_draft = draft_length(args)
     n_seq, cores = max(levels), os.cpu_count() or 2
-    t_threads, t_batch, d_threads, d_batch = default_threads()
+    threads = default_threads()
     setup = Setup()
 
     def server(name: str, extra: list[str]) -> None:
@@ -228,8 +228,8 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
 
     def cluster(ngram: str = "", router_args: list[str] = ()) -> str:
         spec = ClusterSpec(target_model=target, draft_model="" if ngram else draft, ngram=ngram,
-                           target_threads=t_threads, target_threads_batch=t_batch, draft_threads=d_threads,
-                           draft_threads_batch=d_batch,
+                           target_threads=threads.target, target_threads_batch=threads.target_batch,
+                           draft_threads=threads.draft, draft_threads_batch=threads.draft_batch,
                            n_ctx=args.n_ctx, n_seq=n_seq, router_args=["--no-prompt-cache", *router_args])
         c = Cluster(spec).start()
         setup.clusters.append(c)

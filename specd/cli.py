@@ -74,15 +74,15 @@ def _cluster_spec(args: argparse.Namespace, router_port: int, api_key_file: str 
     from specd.models import default_models
 
     paths = default_models(quiet=True)
-    t_threads, t_batch, d_threads, d_batch = default_threads()
+    threads = default_threads()
     return ClusterSpec(
         target_model=args.target_model or paths["target"],
         draft_model="" if args.ngram else (args.draft_model or paths["draft"]),
         ngram=args.ngram,
-        target_threads=args.target_threads or t_threads,
-        target_threads_batch=args.target_threads_batch or (t_batch if not args.target_threads else 0),
-        draft_threads=args.draft_threads or d_threads,
-        draft_threads_batch=d_batch if not args.draft_threads else 0,
+        target_threads=args.target_threads or threads.target,
+        target_threads_batch=args.target_threads_batch or (threads.target_batch if not args.target_threads else 0),
+        draft_threads=args.draft_threads or threads.draft,
+        draft_threads_batch=threads.draft_batch if not args.draft_threads else 0,
         n_ctx=args.n_ctx,
         n_seq=args.n_seq,
         router_port=router_port,

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -259,7 +260,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def default_threads() -> tuple[int, int, int, int]:
+class Threads(NamedTuple):
+    target: int
+    target_batch: int
+    draft: int
+    draft_batch: int
+
+
+def default_threads() -> Threads:
     """Target threads, target batch threads, draft threads and draft batch
     threads for one machine.
 
@@ -274,4 +282,4 @@ def default_threads() -> tuple[int, int, int, int]:
     verification (ProposeRequest.target_busy).
     """
     n = os.cpu_count() or 2
-    return max(1, n - 1), n, 1, n
+    return Threads(target=max(1, n - 1), target_batch=n, draft=1, draft_batch=n)

@@ -47,7 +47,7 @@ def _steps(kind: str, e, r) -> Steps:
     return getattr(e, f"{kind}_steps")(**codec.args_from_pb(kind, r))
 
 
-def _draft_busy(r) -> bool:
+def _other_busy(r) -> bool:
     """Whether the other worker computes meanwhile (DecodeRequest.draft_busy,
     ProposeRequest.target_busy): then decode on the base threads."""
     return getattr(r, "target_busy", False) or getattr(r, "draft_busy", False)
@@ -58,7 +58,7 @@ def _call(kind: str, e, r):
     is a batch of one."""
     if kind in BATCHABLE:
         steps = _steps(kind, e, r)
-        e.share_cores(_draft_busy(r))
+        e.share_cores(_other_busy(r))
         return e.run_one(steps)
     return getattr(e, codec.engine_method(kind))(**codec.args_from_pb(kind, r))
 
@@ -84,7 +84,7 @@ def run_round(engine, window: Window) -> list[pb.WorkerResult]:
             slots.append(None)
         except SpecdError as exc:
             slots.append(codec.error_result_pb(exc, kind))
-    engine.share_cores(any(_draft_busy(getattr(op, kind)) for kind, op in zip(kinds, window.batch)))
+    engine.share_cores(any(_other_busy(getattr(op, kind)) for kind, op in zip(kinds, window.batch)))
     results = iter(engine.run_batch(steps))
     for kind, slot in zip(kinds, slots):
         if slot is None:
