@@ -117,6 +117,7 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
             kind=self.kind, description=f"ngram:{self.spec}", architecture="", n_vocab=self.n_vocab,
             vocab_fingerprint="", n_ctx_seq=self.n_ctx_seq, n_seq=self.n_seq, can_rm_partial=True,
             can_shift=True, n_swa=0, eog_tokens=(), add_bos=False, n_threads=1, model_path="",
+            match_needs_repeat=self.proposers[0].match_needs_repeat,
         )
 
     def propose_steps(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,

@@ -123,12 +123,13 @@ class _Ops:
         return Op(partial(self._send, "clear", seq_id=seq_id))
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-               draft_busy: bool = False, draft_q=(), n_more: int = 0) -> Op:
+               draft_busy: bool = False, draft_q=(), n_more: int = 0, stop_on_repeat: int = 0) -> Op:
         """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative
-        sampling; `n_more`: tokens the target may generate on its own after its next."""
+        sampling; `n_more`: tokens the target may generate on its own after
+        its next, until a repeat of the last `stop_on_repeat` tokens if not 0."""
         return Op(partial(self._send_tracked, "verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
                           sample_index=sample_index, trim=trim, draft_busy=draft_busy,
-                          draft_q=list(draft_q), n_more=n_more))
+                          draft_q=list(draft_q), n_more=n_more, stop_on_repeat=stop_on_repeat))
 
     def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
                 sampling: Sampling | None = None, sample_index: int = 0, target_busy: bool = False) -> Op:

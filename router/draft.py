@@ -49,6 +49,11 @@ class DraftLink:
             return False
         return getattr(self.client, "computing", 0) > 0
 
+    @property
+    def match_needs_repeat(self) -> int:
+        """What the drafter's matches need (ModelInfo.match_needs_repeat); 0 while it is down."""
+        return self.info.match_needs_repeat if self.up and self.info is not None else 0
+
     async def start(self) -> None:
         """Attach the draft, waiting up to settings.draft_wait for one still
         loading; then decode target-only until a watcher attaches it."""

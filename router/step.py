@@ -72,6 +72,13 @@ class Drafts:
     compute: float = 0.0  # of which the draft worker computed
 
 
+class Solo(NamedTuple):
+    """How far the target may go on alone after its next token (VerifyRequest)."""
+
+    n_more: int
+    stop_on_repeat: int = 0  # until a repeat of this many tokens (an n-gram drafter's match); 0: no such stop
+
+
 @dataclass
 class Verdict:
     ver: object  # the target's answer: accepted drafts + its own token, their pieces, compute, batch
@@ -213,20 +220,23 @@ async def _continuation(r, s: Session, plan: Plan, drafts: Drafts, remaining: in
 
 
 # ---------------------------------------------------------------- verify
-def solo_tokens(r, plan: Plan, n_drafts: int, remaining: int) -> int:
+def solo_tokens(r, plan: Plan, n_drafts: int, remaining: int, match_needs_repeat: int = 0) -> Solo:
     """Tokens the target may generate on its own after its next one: in a
-    step that did not ask for drafts, up to solo_tokens in all, within
-    max_tokens and the context (each but the last is decoded). A draft that
-    was asked and had nothing (an n-gram drafter without a match) may have
-    some after the next token, so that step stays one token long."""
-    if plan.k or n_drafts:
-        return 0
-    return max(0, min(r.settings.solo_tokens - 1, remaining - 1, r.n_ctx - plan.n))
+    step without drafts, up to solo_tokens in all, within max_tokens and
+    the context (each but the last is decoded). A drafter that was asked
+    and had nothing (an n-gram drafter without a match) may have some after
+    any next token: the target goes on only while none can come, which it
+    tells when the drafter's matches need a repeat of the last
+    `match_needs_repeat` tokens; otherwise that step stays one token long."""
+    if n_drafts or (plan.k and not match_needs_repeat):
+        return Solo(0)
+    n_more = max(0, min(r.settings.solo_tokens - 1, remaining - 1, r.n_ctx - plan.n))
+    return Solo(n_more, match_needs_repeat if plan.k and n_more else 0)
 
 
 async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Future | None, remaining: int) -> Verdict:
     p, tokens, q = s.p, drafts.tokens, drafts.q
-    n_more = solo_tokens(r, plan, len(tokens), remaining)
+    solo = solo_tokens(r, plan, len(tokens), remaining, r.draft.match_needs_repeat if s.use_draft else 0)
     t1 = time.perf_counter()
     ck_t = (await s.target.checkpoint_save(s.seq).issue()) if plan.ckpt and tokens else None
     draft_busy = r.draft.busy
@@ -235,7 +245,7 @@ async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Futur
         ver = await s.target.verify(s.seq, plan.n - 1, [s.ctx[-1]] + tokens, p.sampling, s.res.n_generated,
                                     not plan.ckpt, draft_busy=draft_busy,
                                     draft_q=q if p.rejection and len(q) == len(tokens) else (),
-                                    n_more=n_more).result()
+                                    n_more=solo.n_more, stop_on_repeat=solo.stop_on_repeat).result()
     except BaseException:
         if cont is not None:  # its result no longer matters; the failover trims the draft
             cont.add_done_callback(_consume)

@@ -101,7 +101,8 @@ def checkpoint_from_pb(c: pb.Checkpoint) -> CheckpointInfo:
 
 # ModelInfo fields copied as they are; the cost curves are (n_tokens, seconds) pairs
 _INFO_FIELDS = ("kind", "description", "architecture", "n_vocab", "vocab_fingerprint", "n_ctx_seq", "n_seq",
-                "can_rm_partial", "can_shift", "n_swa", "add_bos", "n_threads", "model_path", "instance_id")
+                "can_rm_partial", "can_shift", "n_swa", "add_bos", "n_threads", "model_path", "instance_id",
+                "match_needs_repeat")
 _INFO_COSTS = ("decode_costs", "decode_costs_shared", "prompt_costs")
 
 
@@ -115,7 +116,7 @@ def model_info_pb(i: ModelInfo) -> pb.ModelInfo:
 
 # what the public API says of a model (specd.v1.ModelInfo): not the workers'
 # timings nor their process ids
-_PUBLIC_INFO_FIELDS = tuple(f for f in _INFO_FIELDS if f != "instance_id")
+_PUBLIC_INFO_FIELDS = tuple(f for f in _INFO_FIELDS if f not in ("instance_id", "match_needs_repeat"))
 
 
 def messages_from_pb(msgs: rpb.ChatMessages) -> list[ChatMessage]:
@@ -223,7 +224,8 @@ _ARGS: dict[str, Any] = {
     "clear": lambda r: dict(seq_id=r.seq_id),
     "verify": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens, sampling=sampling_from_pb(r.sampling),
                              sample_index=r.sample_index, trim=r.trim,
-                             draft_q=[dist_from_pb(d) for d in r.draft_q], n_more=r.n_more),
+                             draft_q=[dist_from_pb(d) for d in r.draft_q], n_more=r.n_more,
+                             stop_on_repeat=r.stop_on_repeat),
     # sampling unset: the draft proposes its most likely tokens
     "propose": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens, n_max=r.n_max, n_min=r.n_min,
                               p_min=r.p_min, sampling=sampling_from_pb(r.sampling) if r.HasField("sampling") else None,

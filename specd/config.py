@@ -38,6 +38,9 @@ MAX_STREAM_OPS = 2048
 # (VerifyRequest.n_more): each is a round of its own, so one call cannot hold
 # a sequence's stream for long; the router asks for --solo-tokens - 1.
 MAX_N_MORE = 64
+# The longest run VerifyRequest.stop_on_repeat looks for: the n-gram
+# drafters' key lengths go up to 1024 (llama.cpp's --spec-ngram-*-size-n).
+MAX_STOP_ON_REPEAT = 1024
 
 
 def env_name(flag: str) -> str:

@@ -74,6 +74,8 @@ class ModelInfo:
     prompt_costs: tuple[tuple[int, float], ...] = ()
     # the worker process's random id (ModelInfo.instance_id); set by its server
     instance_id: str = ""
+    # a model-free drafter's: drafts need a repeat of the history's last this many tokens (Proposer)
+    match_needs_repeat: int = 0
 
 
 @dataclass

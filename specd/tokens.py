@@ -36,6 +36,20 @@ def range_mask(pos: np.ndarray, p0: int, p1: int) -> np.ndarray:
     return mask
 
 
+def ends_in_repeat(history: np.ndarray, n: int) -> bool:
+    """Whether the last n tokens of `history` also occur at an earlier start
+    (so at most len - n - 1): what an n-gram drafter's match needs."""
+    key_at = len(history) - n
+    if n <= 0 or key_at <= 0:
+        return False
+    cand = np.flatnonzero(history[:key_at] == history[key_at])
+    for k in range(1, n):
+        if cand.size == 0:
+            break
+        cand = cand[history[cand + k] == history[key_at + k]]
+    return cand.size > 0
+
+
 class SeqTokens:
     """(position, token) pairs of one sequence, kept sorted by position."""
 

@@ -6,25 +6,28 @@ import time
 
 import numpy as np
 
-from specd.config import MAX_N_MORE
+from specd.config import MAX_N_MORE, MAX_STOP_ON_REPEAT
 from specd.engine import Capabilities, Steps, VerifyResult
 from specd.errors import FailedPrecondition, InvalidArgument, SpecdError
 from specd.model_engine import ModelEngine
 from specd.sampling import Sampling, accept, check_draft_q
+from specd.tokens import ends_in_repeat
 
 
 class TargetEngine(ModelEngine):
     capabilities = Capabilities(verifies=True, vocabulary=True, chat_template=True)
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-               draft_q=(), n_more: int = 0) -> VerifyResult:
-        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim, draft_q, n_more))
+               draft_q=(), n_more: int = 0, stop_on_repeat: int = 0) -> VerifyResult:
+        return self.run_one(self.verify_steps(seq_id, pos, tokens, sampling, sample_index, trim, draft_q, n_more,
+                                              stop_on_repeat))
 
     def verify_steps(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int,
-                     trim: bool, draft_q=(), n_more: int = 0) -> Steps:
+                     trim: bool, draft_q=(), n_more: int = 0, stop_on_repeat: int = 0) -> Steps:
         """Verify as steps, so verifications of several sequences share one batch.
         `draft_q`: the drafts' distributions for speculative sampling; empty: exact match.
-        `n_more`: then go on alone for up to that many tokens (_go_on)."""
+        `n_more`: then go on alone for up to that many tokens (_go_on), until
+        a repeat of the last `stop_on_repeat` tokens when that is not 0."""
         seq = self._check_seq(seq_id)
         toks = self._check_tokens(tokens)
         sampling.validate()
@@ -32,6 +35,9 @@ class TargetEngine(ModelEngine):
             raise InvalidArgument(f"sample_index must be >= 0, got {sample_index}", field="sample_index")
         if not 0 <= n_more <= MAX_N_MORE:
             raise InvalidArgument(f"n_more must be in [0, {MAX_N_MORE}], got {n_more}", field="n_more")
+        if not 0 <= stop_on_repeat <= MAX_STOP_ON_REPEAT:
+            raise InvalidArgument(f"stop_on_repeat must be in [0, {MAX_STOP_ON_REPEAT}], got {stop_on_repeat}",
+                                  field="stop_on_repeat")
         self.check_batch(len(toks))
         self._check_append(seq, pos, len(toks))
         n_draft = len(toks) - 1
@@ -46,20 +52,25 @@ class TargetEngine(ModelEngine):
             self.seq_rm(seq_id, pos + 1 + n_accepted, -1)
         n_own = len(out)
         if n_more:
-            yield from self._go_on(seq_id, out, sampling, sample_index, n_more)
+            yield from self._go_on(seq_id, out, sampling, sample_index, n_more, stop_on_repeat)
         n_batch, s_batch = self.round_cost.get(seq_id, (0, 0.0))
         return VerifyResult(out, self.pieces(out), self.state(seq_id), time.perf_counter() - t0, n_batch, s_batch,
                             len(out) - n_own)
 
-    def _go_on(self, seq_id: int, out: list[int], sampling: Sampling, sample_index: int, n_more: int) -> Steps:
+    def _go_on(self, seq_id: int, out: list[int], sampling: Sampling, sample_index: int, n_more: int,
+               stop_on_repeat: int = 0) -> Steps:
         """Decode out's last token and sample the next, up to n_more times,
-        appending to `out`; stop after an end-of-generation token or at the
-        end of the context. Each decode is a round of its own, so other
-        sequences' operations batch with it."""
+        appending to `out`; stop after an end-of-generation token, at the
+        end of the context, or (stop_on_repeat > 0) at a token that ends a
+        repeated run of that many, where an n-gram drafter has a match. Each
+        decode is a round of its own, so other sequences' operations batch
+        with it."""
         seq, eog = self.seqs[seq_id], self.model.eog_tokens
         for _ in range(n_more):
             pos = seq.pos_max + 1 if len(seq) else 0
             if out[-1] in eog or pos >= self.n_ctx_seq:
+                return
+            if stop_on_repeat and ends_in_repeat(np.append(seq.tokens(), out[-1]), stop_on_repeat):
                 return
             try:
                 logits = yield from self._decode_g(seq_id, pos, np.asarray(out[-1:], dtype=np.int32), 1)

@@ -26,7 +26,7 @@ def test_ngram_greedy_identical(cluster_factory, spec, in_router):
     c = cluster_factory(draft_model="", ngram=spec, ngram_in_router=in_router, n_ctx=1024, n_seq=1, metrics=True,
                         target_threads=1, target_threads_batch=2)
     batches = "specd_worker_decode_multi_token_batches_total"
-    drafted = accepted = 0
+    drafted = accepted = steps = generated = 0
     with RouterClient(c.router_address) as client:
         info = client.info()
         assert info.draft.kind == "ngram" and info.draft_up
@@ -37,9 +37,13 @@ def test_ngram_greedy_identical(cluster_factory, spec, in_router):
                 assert r.tokens == base.tokens, f"{spec}, n_draft {n}"
                 drafted += r.n_drafted
                 accepted += r.n_accepted
+                steps += r.n_steps
+                generated += r.n_generated
     assert accepted <= drafted
     # an n-gram proposal costs microseconds: the target never left the draft a core for it
     by_threads = metric(c.metrics_ports["target"], batches)
     assert by_threads.get('{threads="2"}', 0) > 0 and by_threads.get('{threads="1"}', 0) == 0, by_threads
     if spec in ("simple", "map-k", "map-k,simple"):
         assert accepted > 0  # copying prompts: the history-scanning drafters must hit
+        # without a match the target went on alone until one could come (stop_on_repeat)
+        assert steps < generated - accepted

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specd.draft_worker.ngram import (
     PROPOSER_NAMES, CacheProposer, ChainProposer, ModProposer, NgramMapProposer, Proposer,
     SimpleProposer, make_proposer,
 )
+from specd.tokens import ends_in_repeat
 
 # Hand-built histories. L: lead tokens, K: the key n-gram, X / Y / Z: continuations.
 L = list(range(100, 112))
@@ -428,6 +431,8 @@ def test_cache_truncation_keeps_dynamic():
 # ---------------------------------------------------------------- chain and make_proposer
 
 class Stub:
+    match_needs_repeat = 0
+
     def __init__(self, name, draft):
         self.name, self.draft, self.calls = name, draft, []
 
@@ -507,3 +512,40 @@ def test_make_proposer_rejects_bad_parameters(spec, words):
     with pytest.raises(ValueError) as err:
         make_proposer(spec)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+# ------------------------------------------------- what a match needs (go-on)
+
+def _repeat_brute(history: list[int], n: int) -> bool:
+    key = history[len(history) - n:]
+    return n > 0 and any(history[j:j + n] == key for j in range(len(history) - n))
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 6))
+@settings(max_examples=300, deadline=None)
+def test_ends_in_repeat_is_an_earlier_copy_of_the_last_n(history, n):
+    assert ends_in_repeat(np.array(history, dtype=np.int32), n) == _repeat_brute(history, n)
+
+
+@pytest.mark.parametrize("make", [lambda: SimpleProposer(size_n=2, size_m=2),
+                                  lambda: NgramMapProposer(key_only=True, size_n=2, size_m=2),
+                                  lambda: NgramMapProposer(key_only=False, size_n=3, size_m=2),
+                                  lambda: ChainProposer([SimpleProposer(size_n=3, size_m=2),
+                                                         NgramMapProposer(size_n=2, size_m=2)])],
+                         ids=["simple", "map-k", "map-k4v", "chain"])
+@given(history=st.lists(st.integers(0, 2), min_size=1, max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_a_draft_needs_the_repeat_its_proposer_declares(make, history):
+    """The target goes on alone until a repeat of match_needs_repeat tokens
+    (VerifyRequest.stop_on_repeat): a proposer that drafts without one would
+    lose its matches to it."""
+    p = make()
+    assert p.match_needs_repeat > 0
+    if p.propose(history, 8):
+        assert ends_in_repeat(np.array(history, dtype=np.int32), p.match_needs_repeat)
+
+
+def test_drafters_with_tables_of_their_own_declare_no_repeat():
+    assert small("mod").match_needs_repeat == 0 and small("cache").match_needs_repeat == 0
+    assert ChainProposer([small("simple"), small("mod")]).match_needs_repeat == 0
+    assert ChainProposer([SimpleProposer(size_n=5), NgramMapProposer(size_n=3)]).match_needs_repeat == 3

@@ -5,12 +5,14 @@ the context and within max_tokens; and the router's history, the target's KV
 and the alignment check agree afterwards."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specd.client import RouterClient
-from specd.config import MAX_N_MORE
+from specd.config import MAX_N_MORE, MAX_STOP_ON_REPEAT
 from specd.errors import InvalidArgument
 from specd.sampling import Sampling
+from specd.tokens import ends_in_repeat
 
 PROMPT = "The three most important inventions in history are"
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)
@@ -84,6 +86,47 @@ def test_an_n_more_out_of_range_is_refused_and_changes_nothing(engine, n_more):
     assert engine.state(0) == before
 
 
+def test_it_stops_at_a_token_that_repeats_the_last_n(engine):
+    """stop_on_repeat: every token it goes on past leaves the last n tokens
+    without an earlier copy; the one it stops at has one (an n-gram drafter's
+    match), or it ran out of n_more. The tokens are those of one-token steps."""
+    text = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"
+    want = _one_at_a_time_from(engine, text, 13)
+    stopped = []
+    for n in (2, 3, 6):
+        pos, last = _start(engine, 0, text)
+        history = engine.seqs[0].tokens().tolist() + [last]
+        got = engine.verify(0, pos, [last], Sampling(), 0, True, n_more=12, stop_on_repeat=n)
+        assert got.tokens == want[: len(got.tokens)]
+        seen = history + got.tokens
+        ends = [ends_in_repeat(np.array(seen[: len(history) + i + 1]), n) for i in range(len(got.tokens))]
+        assert not any(ends[:-1]), (n, ends)
+        assert ends[-1] or got.n_more == 12, (n, ends)
+        assert got.state.pos_max == pos + len(got.tokens) - 1
+        stopped.append(got.n_more < 12)
+    assert any(stopped)  # a counting prompt repeats itself
+
+
+def _one_at_a_time_from(e, text: str, n: int) -> list[int]:
+    pos, last = _start(e, 1, text)
+    out = []
+    for i in range(n):
+        tok = e.verify(1, pos, [last], Sampling(), i, True).tokens[0]
+        out.append(tok)
+        pos, last = pos + 1, tok
+    return out
+
+
+@pytest.mark.parametrize("value", [-1, MAX_STOP_ON_REPEAT + 1])
+def test_a_stop_on_repeat_out_of_range_is_refused_and_changes_nothing(engine, value):
+    pos, last = _start(engine, 0)
+    before = engine.state(0)
+    with pytest.raises(InvalidArgument) as err:
+        engine.verify(0, pos, [last], Sampling(), 0, True, n_more=3, stop_on_repeat=value)
+    assert err.value.field == "stop_on_repeat"
+    assert engine.state(0) == before
+
+
 @pytest.fixture(scope="module")
 def solo_cluster(cluster_factory):
     return cluster_factory(n_ctx=256, n_seq=2, router_args=["--solo-tokens", "5"])
@@ -104,20 +147,25 @@ def test_router_steps_cover_several_tokens_within_max_tokens(solo_cluster):
     assert sampled[0].tokens == sampled[1].tokens  # the same seed, the same sample indices
 
 
-def test_only_a_step_that_asked_for_no_drafts_goes_on_alone():
+def test_a_step_that_asked_for_drafts_goes_on_only_until_a_match_can_come():
     """A step that asked the draft and got nothing (an n-gram drafter without
-    a match) stays one token long: the next token may bring a match."""
+    a match) goes on alone only when the drafter says what its matches need
+    (a repeat of the last n tokens), and then stops at one; otherwise it stays
+    one token long: any next token may bring a match."""
     from types import SimpleNamespace
 
-    from specd.router.step import Plan, solo_tokens
+    from specd.router.step import Plan, Solo, solo_tokens
 
     r = SimpleNamespace(settings=SimpleNamespace(solo_tokens=4), n_ctx=100)
 
     def plan(k: int, n: int = 10) -> Plan:
         return Plan(t0=0.0, n=n, k=k, n_min=0, p_min=0.0, ckpt=False, load=None, hidden_now=0.0)
 
-    assert solo_tokens(r, plan(0), 0, remaining=50) == 3
-    assert solo_tokens(r, plan(4), 0, remaining=50) == 0  # asked, none came
-    assert solo_tokens(r, plan(4), 2, remaining=50) == 0
-    assert solo_tokens(r, plan(0), 0, remaining=2) == 1  # within max_tokens
-    assert solo_tokens(r, plan(0, n=99), 0, remaining=50) == 1  # within the context
+    assert solo_tokens(r, plan(0), 0, remaining=50) == Solo(3, 0)
+    assert solo_tokens(r, plan(0), 0, remaining=50, match_needs_repeat=12) == Solo(3, 0)  # no drafter asked
+    assert solo_tokens(r, plan(4), 0, remaining=50) == Solo(0)  # asked, none came, no rule
+    assert solo_tokens(r, plan(4), 0, remaining=50, match_needs_repeat=12) == Solo(3, 12)
+    assert solo_tokens(r, plan(4), 2, remaining=50, match_needs_repeat=12) == Solo(0)
+    assert solo_tokens(r, plan(4), 0, remaining=1, match_needs_repeat=12) == Solo(0)  # the last token
+    assert solo_tokens(r, plan(0), 0, remaining=2) == Solo(1)  # within max_tokens
+    assert solo_tokens(r, plan(0, n=99), 0, remaining=50) == Solo(1)  # within the context

@@ -47,6 +47,9 @@ __all__ = [
 @runtime_checkable
 class Proposer(Protocol):
     name: str
+    # a draft needs the history's last this many tokens to occur before at an
+    # earlier start (ModelInfo.match_needs_repeat); 0: it may come without
+    match_needs_repeat: int
 
     def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
         """history = every token id the sequence holds, oldest first, ending
@@ -74,6 +77,9 @@ class ChainProposer:
             raise ValueError("a proposer chain needs at least one member")
         self.members = tuple(members)
         self.name = ",".join(m.name for m in self.members)
+        # a repeat of n tokens is one of every shorter run: the shortest key is what the chain needs
+        needs = [m.match_needs_repeat for m in self.members]
+        self.match_needs_repeat = 0 if 0 in needs else min(needs)
 
     def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
         arr = as_array(history)  # convert once; members copy it again cheaply

@@ -150,6 +150,7 @@ class CacheProposer:
     """
 
     name = "cache"
+    match_needs_repeat = 0  # its static cache comes from a file
 
     def __init__(self, n_draft: int = N_DRAFT, cache_path: str | os.PathLike | None = None) -> None:
         self.n_draft = check_range("n_draft", n_draft, 1, 1024)

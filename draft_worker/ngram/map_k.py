@@ -88,6 +88,7 @@ class NgramMapProposer:
         self.size_n = check_range("size_n", size_n, 1, 1024)
         self.size_m = check_range("size_m", size_m, 1, 1024)
         self.min_hits = check_range("min_hits", min_hits, 1, 1 << 30)
+        self.match_needs_repeat = self.size_n  # the key must occur earlier
         self.reset()
 
     def reset(self) -> None:

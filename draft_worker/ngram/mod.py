@@ -116,6 +116,7 @@ class ModProposer:
     """
 
     name = "mod"
+    match_needs_repeat = 0  # its table holds what earlier requests of the sequence taught it
 
     def __init__(self, n_match: int = N_MATCH, n_max: int = N_MAX, n_min: int = N_MIN,
                  table_size: int = TABLE_SIZE, table: ModTable | None = None) -> None:

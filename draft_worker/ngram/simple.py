@@ -57,6 +57,7 @@ class SimpleProposer:
     def __init__(self, size_n: int = SIZE_N, size_m: int = SIZE_M) -> None:
         self.size_n = check_range("size_n", size_n, 1, 1024)
         self.size_m = check_range("size_m", size_m, 1, 1024)
+        self.match_needs_repeat = self.size_n  # the key, id_last included, must occur earlier
 
     def propose(self, history: Sequence[int], n_max: int, n_verified: int | None = None) -> list[int]:
         """`n_verified`: unused, nothing is learned."""

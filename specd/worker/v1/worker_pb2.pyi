@@ -73,6 +73,7 @@ class ModelInfo(_message.Message):
     DECODE_COSTS_SHARED_FIELD_NUMBER: _builtins.int
     PROMPT_COSTS_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    MATCH_NEEDS_REPEAT_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"model" for a llama.cpp model, "ngram" for a model-free drafter."""
     description: _builtins.str
@@ -111,6 +112,12 @@ class ModelInfo(_message.Message):
     """Random id of this worker process, new at every start. A router compares
     it on every (re)connection: another id means the worker restarted and
     holds no sequence, whatever the router cached before.
+    """
+    match_needs_repeat: _builtins.int
+    """A model-free drafter that proposes only when the history's last this
+    many tokens occurred before at an earlier start (n-gram simple, map-k):
+    the router lets the target go on alone until such a repeat
+    (VerifyRequest.stop_on_repeat). 0: drafts may come without one.
     """
     @_builtins.property
     def eog_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -159,10 +166,11 @@ class ModelInfo(_message.Message):
         decode_costs_shared: _abc.Iterable[Global___DecodeCost] | None = ...,
         prompt_costs: _abc.Iterable[Global___DecodeCost] | None = ...,
         instance_id: _builtins.str = ...,
+        match_needs_repeat: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "instance_id", b"instance_id", "kind", b"kind", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "prompt_costs", b"prompt_costs", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "architecture", b"architecture", "can_rm_partial", b"can_rm_partial", "can_shift", b"can_shift", "decode_costs", b"decode_costs", "decode_costs_shared", b"decode_costs_shared", "description", b"description", "eog_tokens", b"eog_tokens", "instance_id", b"instance_id", "kind", b"kind", "match_needs_repeat", b"match_needs_repeat", "model_path", b"model_path", "n_ctx_seq", b"n_ctx_seq", "n_seq", b"n_seq", "n_swa", b"n_swa", "n_threads", b"n_threads", "n_threads_batch", b"n_threads_batch", "n_vocab", b"n_vocab", "prompt_costs", b"prompt_costs", "vocab_fingerprint", b"vocab_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -748,6 +756,7 @@ class VerifyRequest(_message.Message):
     DRAFT_BUSY_FIELD_NUMBER: _builtins.int
     DRAFT_Q_FIELD_NUMBER: _builtins.int
     N_MORE_FIELD_NUMBER: _builtins.int
+    STOP_ON_REPEAT_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0] (id_last); must be pos_max + 1 of the sequence."""
@@ -769,6 +778,13 @@ class VerifyRequest(_message.Message):
     target going on alone while no drafts are asked for, without a round
     trip per token. Other sequences' operations batch with each of them.
     0 to 64; anything else is INVALID_ARGUMENT naming the field.
+    """
+    stop_on_repeat: _builtins.int
+    """With n_more: stop going on at a sampled token that makes the sequence's
+    last stop_on_repeat tokens a run it already held at an earlier start,
+    before decoding it: a model-free drafter that needs such a repeat
+    (ModelInfo.match_needs_repeat) may then have a draft. 0: no such stop.
+    0 to 1024; anything else is INVALID_ARGUMENT naming the field.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -798,10 +814,11 @@ class VerifyRequest(_message.Message):
         draft_busy: _builtins.bool = ...,
         draft_q: _abc.Iterable[Global___TokenDistribution] | None = ...,
         n_more: _builtins.int = ...,
+        stop_on_repeat: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "stop_on_repeat", b"stop_on_repeat", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
