@@ -352,10 +352,12 @@ def _log_step(r, s: Session, plan: Plan, drafts: Drafts, verdict: Verdict, stats
               predicted: float) -> None:
     ver = verdict.ver
     slow = r.controller.slowdown(s.tgt.n_active)
-    log.debug("step seq=%d mode=%s sessions=%d load=%d k=%d accepted=%d ahead=%d step_ms=%.0f draft_ms=%.0f "
+    log.debug("step seq=%d mode=%s sessions=%d load=%d asked=%d k=%d accepted=%d more=%d ahead=%d step_ms=%.0f "
+              "draft_ms=%.0f "
               "verify_ms=%.0f verify_batch=%d verify_batch_ms=%.0f predicted_ms=%.0f extra_ms=%.0f/%.0f", s.seq,
               "adaptive" if r.adaptive(s.p) and s.with_draft else ("fixed" if s.with_draft else "target"),
-              s.tgt.n_active, plan.load.n_sessions, len(drafts.tokens), verdict.accepted, drafts.from_ahead,
+              s.tgt.n_active, plan.load.n_sessions, plan.k, len(drafts.tokens), verdict.accepted, ver.n_more,
+              drafts.from_ahead,
               stats.step_seconds * 1e3, drafts.seconds * 1e3, verdict.seconds * 1e3, ver.batch_tokens,
               ver.batch_seconds * 1e3, predicted * 1e3, *(x * 1e3 for x in slow.extras(time.monotonic())))
 
