@@ -262,6 +262,9 @@ def test_bad_verify_and_wrong_position(target):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "next position is 3" in msg
     code, msg = code_of(t.Verify, pb.VerifyRequest(seq_id=0, pos=3, tokens=[4], sampling=pb.SamplingParams(temperature=-1)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in msg
+    code, msg = code_of(t.Verify, pb.VerifyRequest(seq_id=0, pos=3, tokens=[4], n_more=2, stop_on_repeat=-1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "stop_on_repeat" in msg
+    assert w.GetSeqState(pb.GetSeqStateRequest(seq_id=0)).pos_max == 2  # nothing decoded
 
 
 def test_an_empty_sequence_takes_position_0_only(target):
