@@ -34,7 +34,12 @@ def cluster_factory(models):
         # fixed draft length unless a request asks for adaptive (or adaptive=True):
         # what these tests check (drafts reach the draft, metrics move, output
         # stays lossless while drafting) must not depend on how loaded the
-        # machine is, which is what adaptive speculation reacts to
+        # machine is, which is what adaptive speculation reacts to. Nor do
+        # they need the workers to time their decodes at start (seconds a
+        # worker, for the cost model): without it a request asking for
+        # adaptive speculation drafts n_max, and batches pad by the default
+        if not adaptive:
+            kw["worker_args"] = ["--no-calibrate", *kw.get("worker_args", [])]
         spec = ClusterSpec(target_model=kw.pop("target_model", models["target"]),
                            draft_model=kw.pop("draft_model", models["draft"]),
                            router_args=["--check-alignment", *([] if adaptive else ["--no-adaptive"]), *router_args],
