@@ -19,7 +19,8 @@ CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 def test_a_target_restarted_while_idle_gives_the_same_answer_from_the_prompt_cache(cluster_factory):
-    c = cluster_factory(n_ctx=512, n_seq=2)
+    # workers restart as they start by default: loading, then timing their decodes
+    c = cluster_factory(n_ctx=512, n_seq=2, calibrate=True)
     prompt = PROMPTS[3]
     with RouterClient(c.router_address, timeout=120) as client:
         first = client.generate(prompt, max_tokens=24)
@@ -38,7 +39,7 @@ def test_a_target_restarted_while_idle_gives_the_same_answer_from_the_prompt_cac
 
 
 def test_sessions_survive_or_fail_cleanly_while_target_and_draft_restart(cluster_factory):
-    c = cluster_factory(n_ctx=512, n_seq=4)
+    c = cluster_factory(n_ctx=512, n_seq=4, calibrate=True)
     prompts = [", ".join(str(i) for i in range(1, 16)) + ",", *PROMPTS[:5]]
     with RouterClient(c.router_address, timeout=120) as client:
         alone = {p: client.generate(p, max_tokens=40, speculative=False).tokens for p in prompts}
