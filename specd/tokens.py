@@ -3,6 +3,8 @@
 `SeqTokens` mirrors, for one sequence, which token sits at which position, and
 changes exactly as llama.cpp's memory does under seq_rm / seq_add / seq_cp.
 `token_hash` is the fingerprint both sides compare in the alignment check.
+`occurrences` finds an n-gram in a history: the n-gram drafters' lookup, and
+the target's check of when such a drafter can match (`ends_in_repeat`).
 """
 from __future__ import annotations
 
@@ -36,18 +38,27 @@ def range_mask(pos: np.ndarray, p0: int, p1: int) -> np.ndarray:
     return mask
 
 
-def ends_in_repeat(history: np.ndarray, n: int) -> bool:
-    """Whether the last n tokens of `history` also occur at an earlier start
-    (so at most len - n - 1): what an n-gram drafter's match needs."""
-    key_at = len(history) - n
-    if n <= 0 or key_at <= 0:
-        return False
-    cand = np.flatnonzero(history[:key_at] == history[key_at])
+_NO_POS = np.empty(0, dtype=np.int64)
+
+
+def occurrences(arr: np.ndarray, pattern: np.ndarray, last: int) -> np.ndarray:
+    """Ascending start positions j in [0, last] with arr[j:j+len(pattern)] == pattern."""
+    n = len(pattern)
+    last = min(last, len(arr) - n)
+    if n == 0 or last < 0:
+        return _NO_POS
+    cand = np.flatnonzero(arr[: last + 1] == pattern[0])
     for k in range(1, n):
         if cand.size == 0:
             break
-        cand = cand[history[cand + k] == history[key_at + k]]
-    return cand.size > 0
+        cand = cand[arr[cand + k] == pattern[k]]
+    return cand
+
+
+def ends_in_repeat(history: np.ndarray, n: int) -> bool:
+    """Whether the last n tokens of `history` also occur at an earlier start
+    (so at most len - n - 1): what an n-gram drafter's match needs."""
+    return 0 < n < len(history) and occurrences(history, history[-n:], len(history) - n - 1).size > 0
 
 
 class SeqTokens:

@@ -1,7 +1,6 @@
 """Small helpers shared by the n-gram proposers.
 
 - `as_array`: a private int64 copy of a history (the caller's object is never touched).
-- `occurrences`: where an n-gram occurs in a token array (numpy, no Python loop over positions).
 - `SeenHistory`: remembers the last history a learner saw, so it can tell an
   extension (new tokens appended) from a truncation / rewrite (llama_memory_seq_rm).
 - `DraftFeedback`: remembers the drafts a proposer returned and judges each,
@@ -29,20 +28,6 @@ def check_range(what: str, value: int, lo: int, hi: int) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not lo <= value <= hi:
         raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
     return int(value)
-
-
-def occurrences(arr: np.ndarray, pattern: np.ndarray, last: int) -> np.ndarray:
-    """Ascending start positions j in [0, last] with arr[j:j+len(pattern)] == pattern."""
-    n = len(pattern)
-    last = min(last, len(arr) - n)
-    if n == 0 or last < 0:
-        return _NO_POS
-    cand = np.flatnonzero(arr[: last + 1] == pattern[0])
-    for k in range(1, n):
-        if cand.size == 0:
-            break
-        cand = cand[arr[cand + k] == pattern[k]]
-    return cand
 
 
 class SeenHistory:

@@ -20,7 +20,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ._history import DraftFeedback, SeenHistory, as_array, check_range, occurrences, verified_part
+from specd.tokens import occurrences
+
+from ._history import DraftFeedback, SeenHistory, as_array, check_range, verified_part
 
 SIZE_N = 12          # --spec-ngram-map-k[4v]-size-n
 SIZE_M = 48          # --spec-ngram-map-k[4v]-size-m

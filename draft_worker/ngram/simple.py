@@ -10,7 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ._history import as_array, check_range, occurrences
+from specd.tokens import occurrences
+
+from ._history import as_array, check_range
 
 SIZE_N = 12   # --spec-ngram-simple-size-n
 SIZE_M = 48   # --spec-ngram-simple-size-m
