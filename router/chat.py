@@ -42,4 +42,4 @@ async def chat_prompt(router, messages: list[ChatMessage]) -> list[int]:
     template and ending with the assistant's turn opened. The one rendering
     path of both APIs."""
     check_messages(messages)
-    return await router.target.apply_chat_template(messages)
+    return await (await router.live_target()).apply_chat_template(messages)

@@ -35,6 +35,15 @@ from specd.worker.v1 import worker_pb2_grpc as pb_grpc
 from specd.ownership import OWNER_KEY
 from specd.worker_service import INSTANCE_KEY
 
+# gRPC's reconnect backoff grows to two minutes, and a channel waiting it out
+# refuses every call: a worker back from a restart is reconnected within a
+# second of answering instead.
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 
 @dataclass
 class _InFlight:
@@ -157,7 +166,7 @@ class GrpcWorker(_Ops):
         self.owner = owner or uuid.uuid4().hex
         self.name = name
         self.timeout = timeout
-        options = [("grpc.max_receive_message_length", 64 << 20)]
+        options = list(CHANNEL_OPTIONS)
         if channel is None and credentials is not None:
             if server_name:
                 options.append(("grpc.ssl_target_name_override", server_name))

@@ -62,10 +62,11 @@ class Router:
         self._followers: list[asyncio.Task] = []  # router.health.follow of each remote worker
 
     # ---------------------------------------------------------------- start
-    @property
-    def target(self):
-        """A live target worker (for tokenizing)."""
-        return next((t.client for t in self.targets if t.up), self.targets.slots[0].client)
+    async def live_target(self):
+        """A target worker that takes new sessions (for tokenizing), waited
+        for as a new session waits (TargetSet.wait_open)."""
+        await self.targets.wait_open()
+        return next(t.client for t in self.targets if t.takes_sessions)
 
     @property
     def draft_up(self) -> bool:
@@ -98,7 +99,7 @@ class Router:
         for t in self.targets:
             if getattr(t.client, "channel", None) is not None:
                 self._followers.append(loop.create_task(
-                    health.follow(t.client.channel, t.name, lambda ok, t=t: setattr(t, "serving", ok))))
+                    health.follow(t.client.channel, t.name, lambda ok, t=t: self.targets.set_serving(t, ok))))
         d = self.draft
         if getattr(d.client, "channel", None) is not None:
             self._followers.append(loop.create_task(
@@ -206,7 +207,7 @@ class Router:
     async def _open(self, p: GenParams, result: Result) -> Session:
         """A session for a valid request, on a sequence id and a live target."""
         self.validate(p)
-        self.targets.open_to_new()  # fail now, not after queueing, when no target takes sessions
+        await self.targets.wait_open()  # before queueing for a sequence: fail then if no target comes
         seq = await self.pool.acquire(p.prompt)
         s = Session(seq, p, result)
         try:

@@ -31,7 +31,11 @@ async def follow(channel: grpc.aio.Channel, name: str, on_change: Callable[[bool
     serving = None
     while True:
         try:
-            async for r in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="")):
+            # wait_for_ready: a Watch opened while the worker is down answers
+            # as soon as the channel connects to it again
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                              wait_for_ready=True)
+            async for r in watch:
                 failures = 0
                 now = r.status == SERVING
                 if now != serving:

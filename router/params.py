@@ -22,6 +22,9 @@ class RouterSettings:
     adaptive: bool = True
     max_queue: int = 64
     draft_wait: float = 60.0  # seconds to wait for a loading draft at start before serving target-only
+    # seconds a new request waits for an attached target that takes no new
+    # sessions now (draining, restarting, reconnecting) before UNAVAILABLE
+    target_wait: float = 5.0
     # tokens the target generates per call when a step asks for no drafts: it
     # goes on alone instead of waiting for a round trip per token; the
     # client's stream gets them in groups this large (1: a call per token)

@@ -47,7 +47,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
                 raise InvalidArgument("prompt must not be empty", field="prompt")
             self.limits.check_prompt_text("prompt", [r.prompt], self.router.n_ctx)
             add_special = r.add_special if r.HasField("add_special") else True
-            tokens = await self.router.target.tokenize(r.prompt, add_special, True)
+            tokens = await (await self.router.live_target()).tokenize(r.prompt, add_special, True)
         elif which == "messages":
             self.limits.check_prompt_text("messages", (m.content for m in r.messages.messages), self.router.n_ctx)
             tokens = await chat_prompt(self.router, codec.messages_from_pb(r.messages))
@@ -137,7 +137,8 @@ class RouterServicer(rpb_grpc.RouterServicer):
         try:
             self._check_ready()
             self.limits.check_prompt_text("text", [request.text], self.router.n_ctx)
-            tokens = await self.router.target.tokenize(request.text, request.add_special, request.parse_special)
+            target = await self.router.live_target()
+            tokens = await target.tokenize(request.text, request.add_special, request.parse_special)
         except SpecdError as exc:
             await abort(context, exc)
         return rpb.TokenizeResponse(tokens=tokens)

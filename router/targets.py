@@ -53,6 +53,8 @@ class TargetSet:
     def __init__(self, clients: list, router):
         self.slots = [TargetSlot(c, getattr(c, "name", f"target {i}")) for i, c in enumerate(clients)]
         self.router = router
+        self._change = asyncio.Event()  # set, and replaced, when a target may have started taking sessions
+        self._waiting = 0  # new sessions in wait_open
 
     def __iter__(self):
         return iter(self.slots)
@@ -110,6 +112,16 @@ class TargetSet:
         r.pool.forget_target(t)
         t.info, t.instance, t.up = info, info.instance_id, True
         r.fit_sizes()
+        self._changed()
+
+    def set_serving(self, t: TargetSlot, serving: bool) -> None:
+        """`t`'s health as its watcher (router.health.follow) sees it."""
+        t.serving = serving
+        self._changed()
+
+    def _changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
 
     async def failed(self, t: TargetSlot, exc: SpecdError, epoch: int) -> None:
         """A session's call to `t` (attached at `epoch`) failed with `exc`:
@@ -157,6 +169,27 @@ class TargetSet:
     def can_serve(self) -> bool:
         """Whether a new session would find a target."""
         return any(t.takes_sessions for t in self.slots)
+
+    async def wait_open(self) -> None:
+        """Return once some target takes new sessions. An attached one that
+        does not now (draining before a restart, loading after one, or its
+        health connection being made again) gets up to settings.target_wait;
+        then, with none attached, or beyond max_queue sessions waiting, the
+        session fails Unavailable."""
+        loop = asyncio.get_running_loop()
+        settings = self.router.settings
+        deadline = loop.time() + settings.target_wait
+        while not self.can_serve:
+            left = deadline - loop.time()
+            if left <= 0 or not any(t.up for t in self.slots) or self._waiting >= settings.max_queue:
+                self.open_to_new()  # raises, saying why
+            self._waiting += 1
+            try:
+                await asyncio.wait_for(self._change.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiting -= 1
 
     def open_to_new(self) -> list[TargetSlot]:
         """The targets a new session may go to; Unavailable when none."""

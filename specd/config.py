@@ -149,6 +149,7 @@ class RouterConfig(ServerConfig):
     max_queue: int = _ROUTER.max_queue
     worker_timeout: float = 60.0
     draft_wait: float = _ROUTER.draft_wait
+    target_wait: float = _ROUTER.target_wait
     solo_tokens: int = _ROUTER.solo_tokens
     # mTLS towards the workers (paths)
     worker_tls_cert: str = ""
@@ -237,6 +238,8 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--max-queue", int, r.max_queue, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, RouterConfig.worker_timeout, "deadline of one worker call in seconds")
     add(p, "--draft-wait", float, r.draft_wait, "at start, seconds to wait for a loading draft before serving target-only")
+    add(p, "--target-wait", float, r.target_wait, "seconds a new request waits for a target that is draining, "
+        "restarting or reconnecting before UNAVAILABLE")
     add(p, "--worker-tls-cert", str, "", "PEM client certificate presented to the workers (mTLS)")
     add(p, "--worker-tls-key", str, "", "PEM private key of --worker-tls-cert")
     add(p, "--worker-tls-ca", str, "", "PEM CA file the workers' certificates are verified against "

@@ -217,11 +217,20 @@ class Cluster:
     def restart(self, name: str, sig: int = signal.SIGKILL, timeout: float = 120.0) -> None:
         """Kill one worker with `sig` and start it again on the same port (as
         a process manager or Kubernetes would); return once it serves."""
+        self.kill(name, sig)
+        self.start_again(name, timeout)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Stop one worker with `sig` and wait for it to exit."""
         old = self.procs[name]
-        port = int(old.port_file.read_text())
         old.popen.send_signal(sig)
         old.popen.wait()
         old.stop()
+
+    def start_again(self, name: str, timeout: float = 120.0) -> None:
+        """Start a worker stopped by `kill` on its port; return once it serves."""
+        old = self.procs[name]
+        port = int(old.port_file.read_text())
         args = list(old.args)
         args[args.index("--port") + 1] = str(port)
         self.procs[name] = Proc(name, args, old.workdir)

@@ -30,7 +30,7 @@ def cluster_factory(models):
     """Start clusters of real processes; they are stopped at the end of the module."""
     started: list[Cluster] = []
 
-    def make(router_args=(), adaptive: bool = False, calibrate: bool | None = None, **kw) -> Cluster:
+    def make(router_args=(), adaptive: bool = False, **kw) -> Cluster:
         # fixed draft length unless a request asks for adaptive (or adaptive=True):
         # what these tests check (drafts reach the draft, metrics move, output
         # stays lossless while drafting) must not depend on how loaded the
@@ -38,8 +38,7 @@ def cluster_factory(models):
         # they need the workers to time their decodes at start (seconds a
         # worker, for the cost model): without it a request asking for
         # adaptive speculation drafts n_max, and batches pad by the default
-        # (calibrate=True: workers that start, and restart, as they do by default)
-        if not (adaptive if calibrate is None else calibrate):
+        if not adaptive:
             kw["worker_args"] = ["--no-calibrate", *kw.get("worker_args", [])]
         spec = ClusterSpec(target_model=kw.pop("target_model", models["target"]),
                            draft_model=kw.pop("draft_model", models["draft"]),
