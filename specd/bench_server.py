@@ -9,7 +9,8 @@ prompts as the same token ids:
 - specd: started as `specd up` starts it (its defaults: adaptive speculation);
 - specd-no-spec: the same cluster with speculation off;
 - with --ngram SPEC (repeatable): llama-server with that n-gram type and
-  parameters, and specd with an n-gram draft worker of the same spec.
+  parameters, and specd with an n-gram drafter of the same spec; and
+  specd-no-spec on the first spec's cluster.
 
 For each load C, C sessions each send their share of the requests one after
 the other; aggregate tokens/s = generated tokens / wall time, prompt
@@ -242,12 +243,15 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
                                           "--spec-draft-n-max", str(n_draft)])
             address = cluster(router_args=["--n-max", str(n_draft)])
             setup.contenders.append(Contender("specd", specd_generate(address, args.temperature)))
-            setup.contenders.append(Contender("specd-no-spec", specd_generate(address, args.temperature, speculative=False)))
-        for spec in args.ngram:
+            setup.contenders.append(Contender(SPECD_PLAIN, specd_generate(address, args.temperature, speculative=False)))
+        for i, spec in enumerate(args.ngram):
             extra, n_max = ngram_server_args(spec)
             server(f"llama-server {spec}", [*extra, "--spec-draft-n-max", str(n_max)])
             address = cluster(ngram=spec, router_args=["--n-max", str(n_max)])
             setup.contenders.append(Contender(f"specd {spec}", specd_generate(address, args.temperature)))
+            if i == 0:  # specd's plain path on the same prompts: what the n-gram contenders start from
+                setup.contenders.append(Contender(SPECD_PLAIN, specd_generate(address, args.temperature,
+                                                                              speculative=False)))
     except BaseException:
         setup.close()
         raise
