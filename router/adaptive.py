@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specd.router.costs import CostCurve
-from specd.router.load import Slowdown, Trials, level_trials, load_level
+from specd.router.load import SharedRounds, Slowdown, Trials, level_trials, load_level
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -170,19 +170,22 @@ def choose_draft_length(a: float, n_max: int, n_sessions: int, target: CostCurve
 
 
 def choose_alone(a: float, n_max: int, n_sessions: int, target: CostCurve, margin: float = 0.10,
-                 extra_plain: float = 0.0, extra_drafting: float = 0.0) -> int:
+                 extra_plain: float = 0.0, extra_drafting: float = 0.0, others: float = 0.0,
+                 others_yield: float = 0.0) -> int:
     """A draft length for a session whose drafting the others do not share:
     a model-free drafter drafts only where it finds a match, so one
-    session's k + 1 tokens go into a batch of the others' single tokens,
+    session's k + 1 tokens go into a batch of the others' tokens (one each,
+    plus `others` drafts expected to yield `others_yield`: SharedRounds),
     and slow all of them. The k in [0, n_max] with the most tokens per
     second for all n_sessions together, drafting beating plain by `margin`."""
     if len(target) < 2 or n_max <= 0:  # as choose_draft_length: no idea yet how cost grows
         return n_max
     b = max(n_sessions, 1)
+    batch, plain_yield = b + others, b + others_yield
     best_k = 0
-    best = (1.0 + margin) * b / max(target(b) + extra_plain, 1e-9)
+    best = (1.0 + margin) * plain_yield / max(target(batch) + extra_plain, 1e-9)
     for k in range(1, n_max + 1):
-        rate = (b - 1 + expected_tokens(a, k)) / max(target(b + k) + extra_drafting, 1e-9)
+        rate = (plain_yield - 1 + expected_tokens(a, k)) / max(target(batch + k) + extra_drafting, 1e-9)
         if rate > best:
             best_k, best = k, rate
     return best_k
@@ -201,6 +204,7 @@ class Controller:
     overall: Acceptance = field(default_factory=lambda: Acceptance(decay=0.99))
     slowdowns: dict[int, Slowdown] = field(default_factory=dict)
     trials: dict[int, Trials] = field(default_factory=dict)
+    rounds: dict[int, SharedRounds] = field(default_factory=dict)
     new_trials: Callable[[int], Trials] = level_trials  # lambda level: Trials(credit=0.0, share=0.0): none
     # how much drafting must be predicted to beat target-only by: with recent
     # evidence at that load level `margin`, without it `untried_margin`. The
@@ -220,6 +224,9 @@ class Controller:
 
     def slowdown(self, n_sessions: int) -> Slowdown:
         return self.slowdowns.setdefault(load_level(n_sessions), Slowdown())
+
+    def shared(self, n_sessions: int) -> SharedRounds:
+        return self.rounds.setdefault(load_level(n_sessions), SharedRounds())
 
     def trial(self, n_sessions: int) -> Trials:
         level = load_level(n_sessions)
@@ -246,8 +253,9 @@ class Controller:
             # 48-token draft as 49 tokens; a session that stopped drafting
             # tries again as its evidence fades to the prior and the load
             # level's slowdown to the model
+            shared = self.shared(n_sessions)
             k = choose_alone(1.0 if acc is None else acc.rate, n_max, n_sessions, self.target, margin,
-                             extra_plain, extra_drafting)
+                             extra_plain, extra_drafting, shared.others, shared.others_yield)
         else:
             k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap, margin=margin,
                                     n_drafting=n_drafting, lag=lag, remaining=remaining,

@@ -173,3 +173,32 @@ def load_level(n_sessions: int) -> int:
     """Sessions on the target in powers of two: what a Controller keeps its
     figures and trials per."""
     return max(n_sessions, 1).bit_length()
+
+
+@dataclass
+class SharedRounds:
+    """What the other sessions put in a target batch at one load level,
+    beyond one token each: their drafts (and prompts), as a moving average
+    per round, and the share of drafted tokens all sessions got accepted.
+    A session's drafts join theirs in one batch: when every session copies
+    a long match at once, a 48-token draft is not priced beside seven
+    single tokens but beside the others' drafts too."""
+
+    weight: float = 0.1  # of the newest round in the averages
+    others: float = 0.0  # tokens beyond one a session, from the other sessions
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    def observe(self, n_sessions: int, batch_tokens: int, n_drafted: int, n_accepted: int) -> None:
+        """One step's verification: its batch had `batch_tokens`, of which
+        this session's own were its token and `n_drafted` drafts."""
+        if batch_tokens > 0:
+            extra = max(batch_tokens - max(n_sessions, 1) - n_drafted, 0)
+            self.others += self.weight * (extra - self.others)
+        self.drafted += self.weight * (n_drafted - self.drafted)
+        self.accepted += self.weight * (n_accepted - self.accepted)
+
+    @property
+    def others_yield(self) -> float:
+        """Tokens the others' extra batch tokens are expected to yield."""
+        return self.others * (self.accepted / self.drafted if self.drafted > 1e-9 else 0.0)

@@ -9,7 +9,7 @@ import pytest
 from specd.router.adaptive import (Acceptance, Controller, choose_alone, choose_draft_length, expected_tokens,
                                    round_seconds, steady_hidden)
 from specd.router.costs import CostCurve
-from specd.router.load import RecentPeak, Trials
+from specd.router.load import RecentPeak, SharedRounds, Trials
 from specd.scheduler import op_key, take_window
 
 
@@ -482,6 +482,30 @@ def test_a_model_free_drafters_long_match_is_priced_by_what_it_costs_the_others(
     assert 0 < ks[0] <= ks[1] <= ks[2] < 48, ks
     assert choose_alone(0.967, 48, 8, MEASURED_TARGET, extra_plain=0.007, extra_drafting=0.11) == 0
     assert choose_alone(0.5, 48, 8, MEASURED_TARGET) == 0
+
+
+def test_a_model_free_match_is_priced_beside_the_others_drafts_in_the_same_batch():
+    """Eight sessions copying the same kind of text find matches at once:
+    each 45-token draft went into a batch of 194 tokens (581 ms) where
+    choose_alone saw 8 + 45, and specd with map-k4v ran at 0.8x of itself
+    without drafting. With the others' drafts in the batch (SharedRounds),
+    a match that pays beside seven single tokens does not beside seven
+    long drafts; with none, the choice is as before."""
+    alone = choose_alone(0.9, 48, 8, MEASURED_TARGET)
+    assert alone > 0
+    assert choose_alone(0.9, 48, 8, MEASURED_TARGET, others=0.0, others_yield=0.0) == alone
+    assert choose_alone(0.9, 48, 8, MEASURED_TARGET, others=7 * 45, others_yield=7 * 13) == 0
+
+
+def test_shared_rounds_learn_the_others_tokens_and_forget_them_when_nobody_drafts():
+    r = SharedRounds()
+    for _ in range(60):  # a session drafting 45 in rounds of 194 tokens, 13 accepted
+        r.observe(8, 194, 45, 13)
+    assert 135 < r.others < 141 and 0.28 * r.others < r.others_yield < 0.30 * r.others
+    for _ in range(60):  # everyone plain again: drafting is priced alone once more
+        r.observe(8, 8, 0, 0)
+    assert r.others < 1.0
+    assert r.others_yield < 0.3
 
 
 def test_under_load_a_model_free_session_drafts_by_its_acceptance_not_its_bonus():
