@@ -1,7 +1,9 @@
 """Shared fixtures: the default models and local clusters of real processes."""
 from __future__ import annotations
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.launcher import Cluster, ClusterSpec
 from specd.models import default_models
@@ -18,6 +20,15 @@ PROMPTS = [
     "The history of the printing press begins",
     "{\"name\": \"Alice\", \"age\": 30, \"city\": ",
 ]
+
+
+def health(address: str, service: str = "") -> int | None:
+    """A server's grpc.health.v1 status for `service`; None when it does not answer."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        except grpc.RpcError:
+            return None
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from specd.client import RouterClient
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, health
 
 # clear statuses a request may end with while a worker is down or restarting
 CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -41,11 +41,6 @@ def test_a_target_restarted_while_idle_gives_the_same_answer_from_the_prompt_cac
         assert "draft worker restarted (instance" in c.procs["router"].log_path.read_text()
 
 
-def router_health(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-
-
 def test_a_request_sent_while_the_target_restarts_waits_for_it(cluster_factory):
     # the router holds a new request for an attached target that is down, up
     # to --target-wait, instead of refusing it while the target restarts
@@ -55,7 +50,7 @@ def test_a_request_sent_while_the_target_restarts_waits_for_it(cluster_factory):
         first = client.generate(prompt, max_tokens=16)
         c.kill("target")
         deadline = time.monotonic() + 30
-        while router_health(c.router_address) == health_pb2.HealthCheckResponse.SERVING:
+        while health(c.router_address) == health_pb2.HealthCheckResponse.SERVING:
             assert time.monotonic() < deadline, "the router did not notice its target go"
             time.sleep(0.05)
         held = pool.submit(client.generate, prompt, max_tokens=16)

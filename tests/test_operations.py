@@ -7,13 +7,13 @@ import signal
 import time
 import urllib.request
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.client import RouterClient, collect, make_request
 from specd.launcher import Proc, free_port
+from tests.conftest import health
 
 
 def scrape(port: int) -> dict[tuple, float]:
@@ -75,14 +75,6 @@ def test_metrics_move_with_a_generation(metered):
         assert value(w, "specd_worker_sequences_in_use") == 1
         used = value(w, "specd_worker_kv_cells_used")
         assert used == cached if role == "target" else 0 < used <= cached
-
-
-def health(address: str, service: str = "") -> int | None:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
-        except grpc.RpcError:
-            return None
 
 
 def test_router_health_follows_its_target_and_sigterm_drains(models, tmp_path):

@@ -11,13 +11,14 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from specd.client import RouterClient, make_request
 from specd.errors import PermissionDenied
 from specd.launcher import Cluster, ClusterSpec, Proc, wait_serving
 from specd.ownership import Ownership
 from specd.server import LIVENESS
+from tests.conftest import health
 
 PROMPT = "List three benefits of regular exercise:\n1."
 MAX_TOKENS = 24
@@ -88,14 +89,6 @@ def cell(models):
 
 def address(c: Cluster, name: str) -> str:
     return f"127.0.0.1:{int(c.procs[name].port_file.read_text())}"
-
-
-def health(addr: str, service: str = "") -> int | None:
-    with grpc.insecure_channel(addr) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-        except grpc.RpcError:
-            return None
 
 
 def wait_for(what, timeout: float, every: float = 0.2):
