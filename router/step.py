@@ -332,7 +332,8 @@ def _account(r, s: Session, plan: Plan, drafts: Drafts, verdict: Verdict, c_cont
     # at the load it really had (choices use the recent peak: RecentPeak)
     n_target, n_all = s.tgt.n_active, r.targets.n_sessions
     n_drafts = len(drafts.tokens)
-    r.controller.shared(n_target).observe(n_target, ver.batch_tokens, n_drafts, verdict.accepted)
+    if r.controller.model_free:  # only a model-free drafter's choice reads it (Controller.choose)
+        r.controller.shared(n_target).observe(n_target, ver.batch_tokens, n_drafts, verdict.accepted)
     predicted = r.controller.predict(s.acc, n_drafts or plan.k, n_target, plan.hidden_now, plan.load.overlap, n_all,
                                      plan.load.lag, verify_tokens=ver.batch_tokens)
     # a step that asked for drafts and got none (an n-gram drafter without
