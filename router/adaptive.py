@@ -235,12 +235,13 @@ class Controller:
         return self.trials[level]
 
     def choose(self, acc: Acceptance | None, n_max: int, n_sessions: int, hidden: float | None, overlap: bool,
-               n_drafting: int | None = None, lag: int = 0, remaining: int = 0) -> int:
+               n_drafting: int | None = None, lag: int = 0, remaining: int = 0, pending: int = 0) -> int:
         """A session's draft length this step, a trial step's included
         (`Trials`); acc None asks whether drafting could pay at all now
         (acceptance 1), or a trial is due (so the draft gets the prompt).
         `hidden`: 1 when overlap already made this step's drafts; None: the
-        steady share (`steady_hidden`)."""
+        steady share (`steady_hidden`). `pending`: a model-free drafter's
+        tokens other sessions chose that wait for this target."""
         a = 1.0 if acc is None else acc.optimistic
         slow = self.slowdown(n_sessions)
         now = self.clock()
@@ -253,9 +254,10 @@ class Controller:
             # 48-token draft as 49 tokens; a session that stopped drafting
             # tries again as its evidence fades to the prior and the load
             # level's slowdown to the model
-            shared = self.shared(n_sessions)
-            k = choose_alone(1.0 if acc is None else acc.rate, n_max, n_sessions, self.target, margin,
-                             extra_plain, extra_drafting, shared.others, shared.others_yield)
+            rate = 1.0 if acc is None else acc.rate
+            others = self.shared(n_sessions).beside(pending, rate)
+            k = choose_alone(rate, n_max, n_sessions, self.target, margin,
+                             extra_plain, extra_drafting, others.tokens, others.yield_)
         else:
             k = choose_draft_length(a, n_max, n_sessions, self.target, self.draft, hidden, overlap, margin=margin,
                                     n_drafting=n_drafting, lag=lag, remaining=remaining,

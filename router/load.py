@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -199,6 +200,29 @@ class SharedRounds:
         self.accepted += self.weight * (n_accepted - self.accepted)
 
     @property
+    def accepted_share(self) -> float:
+        return self.accepted / self.drafted if self.drafted > 1e-9 else 0.0
+
+    @property
     def others_yield(self) -> float:
         """Tokens the others' extra batch tokens are expected to yield."""
-        return self.others * (self.accepted / self.drafted if self.drafted > 1e-9 else 0.0)
+        return self.others * self.accepted_share
+
+    def beside(self, pending: int, share: float) -> Others:
+        """The others' drafts a choice made now is priced beside: the
+        average, or the drafts other sessions chose that still wait for
+        their verification (`pending` tokens), whichever is more. When
+        several sessions find matches at once, the average has not seen
+        them yet, and each would be priced as if it drafted alone. Until
+        drafts were verified here, they yield `share` a token (the
+        session's own acceptance): priced as yielding nothing, they would
+        make the batch look so poor that any draft seemed to lift it."""
+        tokens = max(self.others, float(pending))
+        return Others(tokens, tokens * (self.accepted_share if self.drafted > 1e-9 else share))
+
+
+class Others(NamedTuple):
+    """Other sessions' tokens in a batch beyond one each, and what they are expected to yield."""
+
+    tokens: float
+    yield_: float

@@ -46,6 +46,7 @@ class StepLoad(NamedTuple):
     n_drafting: int  # all sessions (recent peak)
     lag: int  # tokens the draft must catch up on before drafting
     remaining: int  # tokens the request may still generate
+    pending: int  # other sessions' drafts waiting for this target (a model-free drafter's)
 
 
 @dataclass
@@ -111,8 +112,13 @@ async def run(r, s: Session, remaining: int):
         s.pending_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : plan.n - 1]).issue())
         s.n_t = plan.n - 1
     drafts = await _draft(r, s, plan)
-    cont = await _continuation(r, s, plan, drafts, remaining)
-    verdict = await _verify(r, s, plan, drafts, cont, remaining)
+    tgt, pending = s.tgt, len(drafts.tokens) if r.controller.model_free else 0
+    tgt.pending_drafts += pending  # sessions choosing now price their drafts beside these
+    try:
+        cont = await _continuation(r, s, plan, drafts, remaining)
+        verdict = await _verify(r, s, plan, drafts, cont, remaining)
+    finally:
+        tgt.pending_drafts -= pending
     keep = plan.n + len(verdict.ver.tokens) - 1  # positions of the context after this step that are decoded
     await _reconcile_target(s, plan, drafts, verdict, keep)
     c_cont = await _take_continuation(r, s, plan, drafts, verdict, cont)
@@ -139,7 +145,8 @@ def _plan(r, s: Session, remaining: int) -> Plan:
     # Otherwise the share a session drafting k sees (adaptive.steady_hidden)
     ckpt = r.checkpoint_mode
     hidden = 1.0 if s.ahead else open_hidden(r, ckpt)
-    load = StepLoad(n_target, hidden, r.settings.overlap, n_all, 0 if s.ahead else n - 1 - s.n_d, remaining)
+    load = StepLoad(n_target, hidden, r.settings.overlap, n_all, 0 if s.ahead else n - 1 - s.n_d, remaining,
+                    s.tgt.pending_drafts)
     if k > 0 and r.adaptive(p):
         if s.draft_prefill is not None and not s.draft_prefill.done():
             k = 0  # the draft still decodes the prompt: the target goes on alone

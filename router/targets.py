@@ -33,6 +33,9 @@ class TargetSlot:
     serving: bool = True
     n_active: int = 0  # sessions on it
     peak: RecentPeak = field(default_factory=RecentPeak)  # of n_active: the load adaptive speculation sees
+    # a model-free drafter's tokens its sessions chose and it has not yet
+    # verified (step.run): what a choice made now will share a batch with
+    pending_drafts: int = 0
     watching: bool = False
     instance: str = ""  # ModelInfo.instance_id of the process attached to
     epoch: int = 0  # counts attaches: each one empties the worker's sequences

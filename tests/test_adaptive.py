@@ -508,6 +508,23 @@ def test_shared_rounds_learn_the_others_tokens_and_forget_them_when_nobody_draft
     assert r.others_yield < 0.3
 
 
+def test_a_match_found_while_others_drafts_wait_for_their_batch_is_priced_beside_them():
+    """A load level's first rounds: eight sessions find matches at once and
+    SharedRounds has seen none of it yet. The drafts chosen before a choice
+    and not yet verified (StepLoad.pending) are what it will share a
+    batch with; once they are verified, the choice is as before."""
+    c = Controller(target=MEASURED_TARGET, draft=CostCurve(), model_free=True,
+                   new_trials=lambda level: Trials(credit=0.0, share=0.0))
+    acc = Acceptance(prior=0.97)
+    alone = c.choose(acc, 48, 8, None, True, 8)
+    assert alone > 0
+    assert c.choose(acc, 48, 8, None, True, 8, pending=7 * 45) == 0
+    assert c.choose(acc, 48, 8, None, True, 8, pending=0) == alone
+    shared = SharedRounds(others=100.0, drafted=40.0, accepted=10.0)
+    assert shared.beside(20, 0.9) == (100.0, 25.0) and shared.beside(300, 0.9) == (300.0, 75.0)
+    assert SharedRounds().beside(40, 0.9) == (40.0, 36.0)  # nothing verified yet: as the session's own
+
+
 def test_under_load_a_model_free_session_drafts_by_its_acceptance_not_its_bonus():
     no_trials = dict(new_trials=lambda level: Trials(credit=0.0, share=0.0))
     acc = Acceptance(prior=0.97)
