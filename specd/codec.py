@@ -28,7 +28,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from specd import errors
-from specd.engine import CheckpointInfo, ModelInfo, ProposeResult, SeqState, VerifyResult
+from specd.engine import CheckpointInfo, ModelInfo, ProposeResult, SeqState, VerifyPartial, VerifyResult
 from specd.router.chat import ChatMessage
 from specd.sampling import EXACT, REJECTION, Sampling, TokenDist, dist_of
 from specd.v1 import router_pb2 as rpb
@@ -167,6 +167,14 @@ def verify_from_pb(v: pb.VerifyResponse) -> VerifyResult:
                         v.batch_seconds, v.n_more)
 
 
+def partial_pb(p: VerifyPartial) -> pb.WorkerResult:
+    return pb.WorkerResult(partial=pb.VerifyPartial(offset=p.offset, tokens=p.tokens, pieces=p.pieces))
+
+
+def partial_from_pb(p: pb.VerifyPartial) -> VerifyPartial:
+    return VerifyPartial(p.offset, list(p.tokens), list(p.pieces))
+
+
 def propose_pb(p: ProposeResult) -> pb.ProposeResponse:
     return pb.ProposeResponse(tokens=p.tokens, state=state_pb(p.state), compute_seconds=p.compute_seconds,
                               batch_tokens=p.batch_tokens, batch_seconds=p.batch_seconds,
@@ -225,7 +233,7 @@ _ARGS: dict[str, Any] = {
     "verify": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens, sampling=sampling_from_pb(r.sampling),
                              sample_index=r.sample_index, trim=r.trim,
                              draft_q=[dist_from_pb(d) for d in r.draft_q], n_more=r.n_more,
-                             stop_on_repeat=r.stop_on_repeat),
+                             stop_on_repeat=r.stop_on_repeat, stream_every=r.stream_every),
     # sampling unset: the draft proposes its most likely tokens
     "propose": lambda r: dict(seq_id=r.seq_id, pos=r.pos, tokens=r.tokens, n_max=r.n_max, n_min=r.n_min,
                               p_min=r.p_min, sampling=sampling_from_pb(r.sampling) if r.HasField("sampling") else None,

@@ -111,6 +111,16 @@ class VerifyResult:
 
 
 @dataclass
+class VerifyPartial:
+    """Tokens a verification going on alone generated so far: its final
+    tokens[offset : offset + len(tokens)] (VerifyRequest.stream_every)."""
+
+    offset: int
+    tokens: list[int]
+    pieces: list[bytes]
+
+
+@dataclass
 class ProposeResult:
     """What a proposal returns (ProposeResponse)."""
 

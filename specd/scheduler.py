@@ -41,10 +41,13 @@ SEQ_OPS = frozenset({"seq_rm", "seq_add", "get_seq_state", "checkpoint_save", "c
 
 @dataclass
 class Window:
-    """One round: `pre` runs first, in order; then `batch` together."""
+    """One round: `pre` runs first, in order; then `batch` together.
+    `waiting`: whether operations wait for the next round (callable from
+    the engine thread): a verification going on alone stops for them."""
 
     pre: list[Any] = field(default_factory=list)
     batch: list[Any] = field(default_factory=list)
+    waiting: Callable[[], bool] | None = None
 
     @property
     def items(self) -> list[Any]:
@@ -175,6 +178,11 @@ class Scheduler:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         return fut
 
+    def waiting(self) -> bool:
+        """Whether operations wait for a round; read from the engine thread
+        (a deque's length is read atomically)."""
+        return len(self.queue) > 0
+
     def _missing(self) -> bool:
         """Whether a sequence of the last two batches has not sent its next
         operation yet (two: sequences that took turns in half batches)."""
@@ -204,7 +212,7 @@ class Scheduler:
                 await asyncio.sleep(0)  # operations that already arrived join this round
                 await self._gather()
                 taken = take_window(self.queue, lambda item: self.key(item[0]))
-                window = Window([op for op, _ in taken.pre], [op for op, _ in taken.batch])
+                window = Window([op for op, _ in taken.pre], [op for op, _ in taken.batch], self.waiting)
                 t0 = time.monotonic()
                 try:
                     results = await self.runner.run(self.run_round, window)

@@ -7,14 +7,15 @@ for health checks and new streams. This module does not import llama_cpp.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import grpc
 
 from specd import codec
-from specd.engine import Steps
+from specd.engine import Steps, VerifyPartial
 from specd.errors import InvalidArgument, SpecdError, Unimplemented
 from specd.ownership import OWNER_KEY, Ownership
 from specd.scheduler import BATCHABLE, EngineRunner, QueueBounds, Scheduler, Window, op_key
@@ -37,14 +38,28 @@ NO_TEMPLATE = "this worker has no model, hence no chat template"
 # Every operation, from Execute or from its unary RPC, runs through `_call`
 # (or, batched with others, `_steps`) and is answered through the codec:
 # Execute's WorkerResult wraps the unary RPC's response (codec.result_pb).
-def _steps(kind: str, e, r) -> Steps:
+class Job(NamedTuple):
+    """An Execute operation as the scheduler queues it, and where a
+    verification's partial results go (VerifyRequest.stream_every)."""
+
+    op: pb.WorkerOp
+    on_partial: Callable[[VerifyPartial], None] | None = None
+
+
+def _steps(kind: str, e, r, on_partial: Callable[[VerifyPartial], None] | None = None,
+           waiting: Callable[[], bool] | None = None) -> Steps:
     """A batchable operation (decode, verify, propose) as engine steps (see
-    WorkerEngine.run_batch)."""
+    WorkerEngine.run_batch); a verification hands its partial results to
+    `on_partial` and goes on alone only while `waiting` says no operation
+    waits for the next round."""
     if kind == "verify" and not e.capabilities.verifies:
         raise Unimplemented(NOT_TARGET)
     if kind == "propose" and not e.capabilities.proposes:
         raise Unimplemented(NOT_DRAFT)
-    return getattr(e, f"{kind}_steps")(**codec.args_from_pb(kind, r))
+    args = codec.args_from_pb(kind, r)
+    if kind == "verify":
+        args.update(on_partial=on_partial, others_waiting=waiting)
+    return getattr(e, f"{kind}_steps")(**args)
 
 
 def _other_busy(r) -> bool:
@@ -72,19 +87,20 @@ UNARY = {kind: _unary_op(kind) for kind in codec.OPS}
 
 
 def run_round(engine, window: Window) -> list[pb.WorkerResult]:
-    """One scheduler round on the engine thread: bookkeeping first, then the
-    batch's decodes together."""
-    out = [_execute_one(engine, op) for op in window.pre]
-    kinds = [op.WhichOneof("op") for op in window.batch]
+    """One scheduler round (of Jobs) on the engine thread: bookkeeping
+    first, then the batch's decodes together."""
+    out = [_execute_one(engine, job.op) for job in window.pre]
+    ops = [job.op for job in window.batch]
+    kinds = [op.WhichOneof("op") for op in ops]
     slots: list[pb.WorkerResult | None] = []
     steps = []
-    for kind, op in zip(kinds, window.batch):
+    for kind, job in zip(kinds, window.batch):
         try:
-            steps.append(_steps(kind, engine, getattr(op, kind)))
+            steps.append(_steps(kind, engine, getattr(job.op, kind), job.on_partial, window.waiting))
             slots.append(None)
         except SpecdError as exc:
             slots.append(codec.error_result_pb(exc, kind))
-    engine.share_cores(any(_other_busy(getattr(op, kind)) for kind, op in zip(kinds, window.batch)))
+    engine.share_cores(any(_other_busy(getattr(op, kind)) for kind, op in zip(kinds, ops)))
     results = iter(engine.run_batch(steps))
     for kind, slot in zip(kinds, slots):
         if slot is None:
@@ -94,9 +110,9 @@ def run_round(engine, window: Window) -> list[pb.WorkerResult]:
     return out
 
 
-def _op_key(op: pb.WorkerOp):
-    kind = op.WhichOneof("op")
-    return op_key(kind, getattr(getattr(op, kind), "seq_id", None) if kind else None)
+def _op_key(job: Job):
+    kind = job.op.WhichOneof("op")
+    return op_key(kind, getattr(getattr(job.op, kind), "seq_id", None) if kind else None)
 
 
 def _owner(context: grpc.aio.ServicerContext) -> str | None:
@@ -226,12 +242,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.scheduler = Scheduler(self.runner, run_round, _op_key, gather_max=self.batch_wait,
                                        max_queued=self.bounds.queued_ops)
         results: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
         async def write_results() -> None:
             while True:
-                fut = await results.get()
-                if fut is None:
+                item = await results.get()
+                if item is None:
                     return
+                fut, partials = item
+                if partials is not None:
+                    await _forward_partials(context, fut, partials)
                 try:
                     res = await fut
                 except SpecdError as exc:
@@ -255,12 +275,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         f"{results.qsize()} operations of this stream are not answered yet "
                                         f"(max_stream_ops = {self.bounds.stream_ops}): read the results")
-                results.put_nowait(self.scheduler.submit(op))
+                partials = _partials_of(op)
+                on_partial = None if partials is None else functools.partial(loop.call_soon_threadsafe,
+                                                                             partials.put_nowait)
+                results.put_nowait((self.scheduler.submit(Job(op, on_partial)), partials))
             results.put_nowait(None)
             await writer
             return True
         finally:
             writer.cancel()
+
+
+def _partials_of(op: pb.WorkerOp) -> asyncio.Queue | None:
+    """Where a streaming verification's partial results wait for their
+    turn in the stream (at most one per stream_every of its n_more tokens)."""
+    if op.WhichOneof("op") == "verify" and op.verify.stream_every > 0 and op.verify.n_more > 0:
+        return asyncio.Queue()
+    return None
+
+
+async def _forward_partials(context, fut: asyncio.Future, partials: asyncio.Queue) -> None:
+    """Write the oldest unanswered operation's partial results until it is
+    answered; any still queued then are left out (its answer has them)."""
+    while not fut.done():
+        get = asyncio.ensure_future(partials.get())
+        await asyncio.wait((fut, get), return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            await context.write(codec.partial_pb(get.result()))
+        else:
+            get.cancel()
 
 
 def register_worker(server: grpc.aio.Server, runner: EngineRunner, role: str, batch_wait: float = 0.010,

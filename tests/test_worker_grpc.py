@@ -93,7 +93,7 @@ def test_a_draft_drafts_on_every_core_only_while_the_target_waits(models):
     beside a verification (two processes' threads on two cores make
     llama.cpp's spin at every barrier). The drafts are the same either way."""
     from specd.scheduler import Window
-    from specd.worker_service import run_round
+    from specd.worker_service import Job, run_round
 
     engine = DraftModelEngine(LlamaConfig(models["draft"], n_ctx_seq=64, n_seq=1, n_threads=1, n_threads_batch=2))
     prompt = engine.tokenize("The capital of France is", True, False)
@@ -102,7 +102,7 @@ def test_a_draft_drafts_on_every_core_only_while_the_target_waits(models):
         for busy, threads in ((False, 2), (True, 1), (False, 2)):
             engine.clear(0)
             op = pb.WorkerOp(propose=pb.ProposeRequest(seq_id=0, pos=0, tokens=prompt, n_max=3, target_busy=busy))
-            [res] = run_round(engine, Window(batch=[op]))
+            [res] = run_round(engine, Window(batch=[Job(op)]))
             assert res.WhichOneof("result") == "propose", res
             assert engine.model.threads_now == threads
             drafts.append(list(res.propose.tokens))

@@ -757,6 +757,7 @@ class VerifyRequest(_message.Message):
     DRAFT_Q_FIELD_NUMBER: _builtins.int
     N_MORE_FIELD_NUMBER: _builtins.int
     STOP_ON_REPEAT_FIELD_NUMBER: _builtins.int
+    STREAM_EVERY_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     pos: _builtins.int
     """Position of tokens[0] (id_last); must be pos_max + 1 of the sequence."""
@@ -785,6 +786,13 @@ class VerifyRequest(_message.Message):
     before decoding it: a model-free drafter that needs such a repeat
     (ModelInfo.match_needs_repeat) may then have a draft. 0: no such stop.
     0 to 1024; anything else is INVALID_ARGUMENT naming the field.
+    """
+    stream_every: _builtins.int
+    """With n_more, over Execute only: after every stream_every tokens of
+    `tokens` (the target's next one included), answer a VerifyPartial
+    with them ahead of this operation's VerifyResponse, so the caller can
+    pass them on while the target goes on. 0: none. 0 to 65; anything
+    else is INVALID_ARGUMENT naming the field.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -815,10 +823,11 @@ class VerifyRequest(_message.Message):
         draft_q: _abc.Iterable[Global___TokenDistribution] | None = ...,
         n_more: _builtins.int = ...,
         stop_on_repeat: _builtins.int = ...,
+        stream_every: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "stop_on_repeat", b"stop_on_repeat", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "stop_on_repeat", b"stop_on_repeat", "stream_every", b"stream_every", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1126,7 +1135,9 @@ Global___WorkerOp: _TypeAlias = WorkerOp  # noqa: Y015
 
 @_typing.final
 class WorkerResult(_message.Message):
-    """The answer to one WorkerOp, in the same order."""
+    """The answer to one WorkerOp, in the same order; a verification with
+    stream_every may send VerifyPartial results before its answer.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1136,6 +1147,7 @@ class WorkerResult(_message.Message):
     PROPOSE_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PARTIAL_FIELD_NUMBER: _builtins.int
     done: _builtins.bool
     """Set for operations without a result (checkpoint_drop, clear)."""
     @_builtins.property
@@ -1148,6 +1160,12 @@ class WorkerResult(_message.Message):
     def propose(self) -> Global___ProposeResponse: ...
     @_builtins.property
     def error(self) -> Global___OpError: ...
+    @_builtins.property
+    def partial(self) -> Global___VerifyPartial:
+        """Not an answer: tokens of the oldest unanswered operation, a
+        verification still going on (VerifyRequest.stream_every).
+        """
+
     def __init__(
         self,
         *,
@@ -1157,13 +1175,48 @@ class WorkerResult(_message.Message):
         propose: Global___ProposeResponse | None = ...,
         done: _builtins.bool = ...,
         error: Global___OpError | None = ...,
+        partial: Global___VerifyPartial | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "done", b"done", "error", b"error", "propose", b"propose", "result", b"result", "state", b"state", "verify", b"verify"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "done", b"done", "error", b"error", "partial", b"partial", "propose", b"propose", "result", b"result", "state", b"state", "verify", b"verify"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "done", b"done", "error", b"error", "propose", b"propose", "result", b"result", "state", b"state", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "done", b"done", "error", b"error", "partial", b"partial", "propose", b"propose", "result", b"result", "state", b"state", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["state", "checkpoint", "verify", "propose", "done", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["state", "checkpoint", "verify", "propose", "done", "error", "partial"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___WorkerResult: _TypeAlias = WorkerResult  # noqa: Y015
+
+@_typing.final
+class VerifyPartial(_message.Message):
+    """Tokens a verification has generated so far, ahead of its VerifyResponse,
+    which repeats them: they are its tokens[offset : offset + len(tokens)].
+    A worker may leave some out; the answer always has them all.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    PIECES_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def pieces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Text bytes of each token (as VerifyResponse.pieces)."""
+
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        pieces: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "pieces", b"pieces", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyPartial: _TypeAlias = VerifyPartial  # noqa: Y015
