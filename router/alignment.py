@@ -110,7 +110,7 @@ async def release(r, s: Session) -> None:
         if fut.done() and not fut.cancelled():
             fut.exception()  # retrieved: errors here no longer matter
     draft = r.draft.client
-    keep = bool(s.res.reason) and r.settings.prompt_cache and not r.checkpoint_mode
+    keep = bool(s.res.reason) and r.settings.prompt_cache and not r.checkpoint_mode and not s.step_cut
     n_d = min(s.n_d, s.n_t) if s.use_draft else 0
     if keep:
         futs = [*s.pending_t, *s.pending_d]

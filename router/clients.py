@@ -21,13 +21,14 @@ import uuid
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd import codec, errors
 from specd.codec import error_for
-from specd.engine import ModelInfo
+from specd.engine import ModelInfo, VerifyPartial
 from specd.sampling import Sampling
 from specd.security import KeyedChannel, api_key_metadata
 from specd.worker.v1 import worker_pb2 as pb
@@ -51,6 +52,7 @@ class _InFlight:
 
     fut: asyncio.Future
     name: str
+    on_partial: Callable[[VerifyPartial], None] | None = None  # a streaming verification's partial results
 
 
 def _stream_failure(exc: grpc.aio.AioRpcError, message: str) -> errors.SpecdError:
@@ -132,13 +134,16 @@ class _Ops:
         return Op(partial(self._send, "clear", seq_id=seq_id))
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-               draft_busy: bool = False, draft_q=(), n_more: int = 0, stop_on_repeat: int = 0) -> Op:
+               draft_busy: bool = False, draft_q=(), n_more: int = 0, stop_on_repeat: int = 0,
+               stream_every: int = 0, on_partial: Callable[[VerifyPartial], None] | None = None) -> Op:
         """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative
         sampling; `n_more`: tokens the target may generate on its own after
-        its next, until a repeat of the last `stop_on_repeat` tokens if not 0."""
+        its next, until a repeat of the last `stop_on_repeat` tokens if not 0,
+        handed to `on_partial` every `stream_every` tokens as they come."""
         return Op(partial(self._send_tracked, "verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
                           sample_index=sample_index, trim=trim, draft_busy=draft_busy,
-                          draft_q=list(draft_q), n_more=n_more, stop_on_repeat=stop_on_repeat))
+                          draft_q=list(draft_q), n_more=n_more, stop_on_repeat=stop_on_repeat,
+                          stream_every=stream_every if on_partial else 0, on_partial=on_partial))
 
     def propose(self, seq_id: int, pos: int, tokens, n_max: int, n_min: int, p_min: float,
                 sampling: Sampling | None = None, sample_index: int = 0, target_busy: bool = False) -> Op:
@@ -218,14 +223,14 @@ class GrpcWorker(_Ops):
                 self._call.cancel()  # a stream to another process must not carry on
                 self._reader = None  # the next operation opens a stream that says which process
 
-    async def _send(self, name: str, **fields) -> asyncio.Future:
+    async def _send(self, name: str, on_partial=None, **fields) -> asyncio.Future:
         op = codec.op_pb(name, **fields)
         if self._reader is None or self._reader.done():
             self._open()
         fut = asyncio.get_running_loop().create_future()
         # gRPC allows one write in flight per stream: sessions hand their
         # operations to the stream's writer, which keeps their order
-        self._pending.append(_InFlight(fut, name))
+        self._pending.append(_InFlight(fut, name, on_partial))
         self._outbox.put_nowait(op)
         if len(self._pending) == 1:
             self._arm()
@@ -295,6 +300,12 @@ class GrpcWorker(_Ops):
                 res = await call.read()
                 if res is grpc.aio.EOF:
                     break
+                if res.WhichOneof("result") == "partial":  # the oldest operation goes on: not its answer
+                    if pending and pending[0].on_partial is not None:
+                        if pending is self._pending:
+                            self._arm()
+                        pending[0].on_partial(codec.partial_from_pb(res.partial))
+                    continue
                 fut = pending.popleft().fut
                 if pending is self._pending:
                     self._arm()
@@ -373,6 +384,10 @@ class LocalWorker(_Ops):
     async def _send(self, name: str, **f) -> asyncio.Future:
         f.pop("draft_busy", None)  # one process: nothing to share cores with
         f.pop("target_busy", None)
+        if f.get("on_partial") is not None:  # called on the engine's thread: hand it to the loop
+            f["on_partial"] = partial(asyncio.get_running_loop().call_soon_threadsafe, f["on_partial"])
+        else:
+            f.pop("on_partial", None)
         method = codec.engine_method(name)
         return self._call(lambda: getattr(self.engine, method)(**f))
 

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from specd.engine import MAX_DRAFT, ModelInfo
+from specd.engine import MAX_DRAFT, ModelInfo, VerifyResult
 from specd.errors import InvalidArgument, SpecdError, Unavailable, WorkerRestarted
 from specd.router import alignment, health, step
 from specd.router.adaptive import Controller
@@ -33,7 +33,7 @@ from specd.router.draft import DraftLink
 from specd.router.load import RecentPeak
 from specd.router.params import GenParams, Result, RouterSettings, Step, StepStats
 from specd.router.pool import SeqPool, common_prefix
-from specd.router.session import Session
+from specd.router.session import Session, Streamed
 from specd.router.targets import TargetSet
 
 log = logging.getLogger("specd.router")
@@ -178,20 +178,32 @@ class Router:
         s = await self._open(p, result)
         try:
             await self._prompt(s)
-            t_gen = time.perf_counter()
-            limit = p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p)
+            hand = _HandOut(self, result, p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p))
             while True:
-                ver = await self._next_step(s, limit - result.n_generated)
+                s.stream = Streamed()
+                task = asyncio.ensure_future(self._next_step(s, hand.room))
+                sent, finish = 0, ""  # of this step's tokens, handed out ahead of its result
+                try:
+                    # what the target hands on as it goes on alone (Session.stream)
+                    while not finish and await _more_streamed(s.stream, task, sent):
+                        new = s.stream.tokens[sent:], s.stream.pieces[sent:]
+                        sent += len(new[0])
+                        out, finish = hand.take(*new)
+                        if out:
+                            yield out
+                    ver = await task
+                finally:
+                    if not task.done():  # cancelled (client gone, deadline) or closed midway
+                        s.step_cut = True
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)
                 if ver is None:  # no position left for id_last, and the context cannot shift
                     result.reason = "length"
                     break
-                out, pieces, finish = self._cut(ver.tokens, ver.pieces, limit - result.n_generated)
-                result.n_generated += len(out)
-                result.generation_seconds = time.perf_counter() - t_gen
-                if finish == "eog":  # counted as generated, not shown
-                    out, pieces = out[:-1], pieces[:-1]
-                if out:
-                    yield Step(out, pieces)
+                if not finish:
+                    out, finish = hand.take(ver.tokens[sent:], ver.pieces[sent:])
+                    if out:
+                        yield out
                 if finish:
                     result.reason = finish
                     break
@@ -255,17 +267,23 @@ class Router:
             except SpecdError as exc:
                 if not self.targets.lost(s, exc):
                     raise  # a deadline, a refusal: this session fails alone
+                streamed = s.stream.tokens if n_before is not None else []
                 if n_before is not None:
-                    # the failed step's tokens were not handed out; a draft that
-                    # failed in the same step stays off (DraftLink.failed)
+                    # the failed step's tokens were not handed out, but for
+                    # those the target handed on as it went: history now; a
+                    # draft that failed in the same step stays off (DraftLink.failed)
                     del s.ctx[n_before:]
+                    s.ctx += streamed
                 await self._failover(s, exc)
+                if streamed:  # the step ends with them; the next goes on after them
+                    s.res.n_steps += 1
+                    return VerifyResult(list(streamed), list(s.stream.pieces), None)
 
     async def _failover(self, s: Session, exc: SpecdError) -> None:
         await self.targets.failover(s, exc)
         await self.draft.cut_back(s)
 
-    def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
+    def cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
         """Cut a step's tokens after an end-of-generation token or at max_tokens."""
         finish = ""
         for i, t in enumerate(out):
@@ -357,3 +375,40 @@ class Router:
 def _log_release_error(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("releasing a sequence failed", exc_info=task.exception())
+
+
+class _HandOut:
+    """A request's tokens on their way to the caller: cut after an
+    end-of-generation token or at max_tokens, counted and timed."""
+
+    def __init__(self, router: Router, result: Result, limit: int):
+        self.router, self.result, self.limit = router, result, limit
+        self.t0 = time.perf_counter()
+
+    @property
+    def room(self) -> int:
+        return self.limit - self.result.n_generated
+
+    def take(self, tokens: list[int], pieces: list[bytes]) -> tuple[Step | None, str]:
+        """The Step to yield (None: nothing to show) and the finish reason, if these tokens end the request."""
+        out, pieces, finish = self.router.cut(tokens, pieces, self.room)
+        self.result.n_generated += len(out)
+        self.result.generation_seconds = time.perf_counter() - self.t0
+        if finish == "eog":  # counted as generated, not shown
+            out, pieces = out[:-1], pieces[:-1]
+        return (Step(out, pieces) if out else None), finish
+
+
+async def _more_streamed(stream: Streamed, task: asyncio.Future, sent: int) -> bool:
+    """Wait for tokens of the step under way beyond `sent` (True) or for
+    the step's end (False: its result has them all)."""
+    while len(stream.tokens) <= sent:
+        if task.done():
+            return False
+        stream.ready.clear()
+        wake = asyncio.ensure_future(stream.ready.wait())
+        try:
+            await asyncio.wait((task, wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+    return not task.done()

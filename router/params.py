@@ -26,9 +26,13 @@ class RouterSettings:
     # sessions now (draining, restarting, reconnecting) before UNAVAILABLE
     target_wait: float = 5.0
     # tokens the target generates per call when a step asks for no drafts: it
-    # goes on alone instead of waiting for a round trip per token; the
-    # client's stream gets them in groups this large (1: a call per token)
-    solo_tokens: int = 4
+    # goes on alone instead of waiting for a round trip per token (1: a
+    # call per token), and stops early when other operations wait for it
+    solo_tokens: int = 16
+    # while it goes on, the client's stream gets its tokens in groups this
+    # large; for a request with stop strings a call is no longer than this,
+    # so that the target never runs far past one
+    stream_tokens: int = 4
 
 
 @dataclass
@@ -46,6 +50,7 @@ class GenParams:
     context_shift: bool = False
     n_keep: int = 0
     acceptance: str | None = None  # specd.sampling.EXACT | REJECTION; None: DEFAULT_ACCEPTANCE
+    stop_strings: bool = False  # the caller cuts the text at stop strings (RouterSettings.stream_tokens)
 
     @property
     def draft_sampling(self) -> Sampling | None:

@@ -27,7 +27,8 @@ def settings_of(cfg: RouterConfig) -> RouterSettings:
     return RouterSettings(n_max=cfg.n_max, n_min=cfg.n_min, p_min=cfg.p_min, checkpoint_mode=cfg.checkpoint_mode,
                           check_alignment=cfg.check_alignment, max_queue=cfg.max_queue, overlap=cfg.overlap,
                           adaptive=cfg.adaptive, prompt_cache=cfg.prompt_cache,
-                          draft_wait=cfg.draft_wait, target_wait=cfg.target_wait, solo_tokens=cfg.solo_tokens)
+                          draft_wait=cfg.draft_wait, target_wait=cfg.target_wait, solo_tokens=cfg.solo_tokens,
+                          stream_tokens=cfg.stream_tokens)
 
 
 # An n-gram drafter in the router offers as many sequences and as long a

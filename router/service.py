@@ -68,6 +68,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
             acceptance=codec.acceptance_from_pb(spec.acceptance),
             context_shift=r.context_shift,
             n_keep=r.n_keep,
+            stop_strings=any(r.stop),
         )
 
     async def Generate(self, request, context):

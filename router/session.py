@@ -9,9 +9,28 @@ which operations it sent and did not collect yet.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
+from specd.engine import VerifyPartial
 from specd.router.params import GenParams, Result
 from specd.router.targets import TargetSlot
+
+
+@dataclass
+class Streamed:
+    """Tokens of the step under way that the target handed on ahead of its
+    result, as it went on alone (VerifyPartial): the request loop passes
+    them to the client while the target goes on."""
+
+    tokens: list[int] = field(default_factory=list)
+    pieces: list[bytes] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self, p: VerifyPartial) -> None:
+        if p.offset == len(self.tokens):  # in order; one a worker left out ends the run
+            self.tokens += p.tokens
+            self.pieces += p.pieces
+            self.ready.set()
 
 
 class Session:
@@ -41,6 +60,8 @@ class Session:
         # pipelined operations not awaited yet, per worker
         self.pending_t: list[asyncio.Future] = []
         self.pending_d: list[asyncio.Future] = []
+        self.stream = Streamed()  # of the step under way
+        self.step_cut = False  # a step was cancelled midway: what the workers hold is unknown
 
     @property
     def target(self):

@@ -78,6 +78,7 @@ class Solo(NamedTuple):
 
     n_more: int
     stop_on_repeat: int = 0  # until a repeat of this many tokens (an n-gram drafter's match); 0: no such stop
+    stream_every: int = 0  # hand the tokens on in groups this large meanwhile (Session.stream); 0: at the end
 
 
 @dataclass
@@ -227,23 +228,28 @@ async def _continuation(r, s: Session, plan: Plan, drafts: Drafts, remaining: in
 
 
 # ---------------------------------------------------------------- verify
-def solo_tokens(r, plan: Plan, n_drafts: int, remaining: int, match_needs_repeat: int = 0) -> Solo:
+def solo_tokens(r, plan: Plan, n_drafts: int, remaining: int, match_needs_repeat: int = 0,
+                stop_strings: bool = False) -> Solo:
     """Tokens the target may generate on its own after its next one: in a
-    step without drafts, up to solo_tokens in all, within max_tokens and
-    the context (each but the last is decoded). A drafter that was asked
+    step without drafts, up to solo_tokens in all (stream_tokens with
+    `stop_strings`), within max_tokens and the context (each but the last
+    is decoded), handed on every stream_tokens. A drafter that was asked
     and had nothing (an n-gram drafter without a match) may have some after
     any next token: the target goes on only while none can come, which it
     tells when the drafter's matches need a repeat of the last
     `match_needs_repeat` tokens; otherwise that step stays one token long."""
     if n_drafts or (plan.k and not match_needs_repeat):
         return Solo(0)
-    n_more = max(0, min(r.settings.solo_tokens - 1, remaining - 1, r.n_ctx - plan.n))
-    return Solo(n_more, match_needs_repeat if plan.k and n_more else 0)
+    group = r.settings.stream_tokens
+    per_call = min(group, r.settings.solo_tokens) if stop_strings else r.settings.solo_tokens
+    n_more = max(0, min(per_call - 1, remaining - 1, r.n_ctx - plan.n))
+    return Solo(n_more, match_needs_repeat if plan.k and n_more else 0, group if n_more + 1 > group else 0)
 
 
 async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Future | None, remaining: int) -> Verdict:
     p, tokens, q = s.p, drafts.tokens, drafts.q
-    solo = solo_tokens(r, plan, len(tokens), remaining, r.draft.match_needs_repeat if s.use_draft else 0)
+    solo = solo_tokens(r, plan, len(tokens), remaining, r.draft.match_needs_repeat if s.use_draft else 0,
+                       p.stop_strings)
     t1 = time.perf_counter()
     ck_t = (await s.target.checkpoint_save(s.seq).issue()) if plan.ckpt and tokens else None
     draft_busy = r.draft.busy
@@ -252,7 +258,9 @@ async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Futur
         ver = await s.target.verify(s.seq, plan.n - 1, [s.ctx[-1]] + tokens, p.sampling, s.res.n_generated,
                                     not plan.ckpt, draft_busy=draft_busy,
                                     draft_q=q if p.rejection and len(q) == len(tokens) else (),
-                                    n_more=solo.n_more, stop_on_repeat=solo.stop_on_repeat).result()
+                                    n_more=solo.n_more, stop_on_repeat=solo.stop_on_repeat,
+                                    stream_every=solo.stream_every,
+                                    on_partial=s.stream.take if solo.stream_every else None).result()
     except BaseException:
         if cont is not None:  # its result no longer matters; the failover trims the draft
             cont.add_done_callback(_consume)

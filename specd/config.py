@@ -151,6 +151,7 @@ class RouterConfig(ServerConfig):
     draft_wait: float = _ROUTER.draft_wait
     target_wait: float = _ROUTER.target_wait
     solo_tokens: int = _ROUTER.solo_tokens
+    stream_tokens: int = _ROUTER.stream_tokens
     # mTLS towards the workers (paths)
     worker_tls_cert: str = ""
     worker_tls_key: str = ""
@@ -234,7 +235,9 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--prompt-cache", bool, r.prompt_cache, "keep finished sessions' KV for prompts that share their prefix")
     add(p, "--adaptive", bool, r.adaptive, "choose each step's draft length (up to n_max, down to 0) from acceptance and load")
     add(p, "--solo-tokens", at_least(1, MAX_N_MORE + 1), r.solo_tokens, "tokens the target generates per call when a step "
-        "asks for no drafts (drafting off, or adaptive under load); the stream gets them in groups this large")
+        "asks for no drafts (drafting off, or adaptive under load), fewer when other sessions' work waits for it")
+    add(p, "--stream-tokens", at_least(1, MAX_N_MORE + 1), r.stream_tokens, "meanwhile the stream gets them in groups "
+        "this large; a request with stop strings asks for no more per call")
     add(p, "--max-queue", int, r.max_queue, "sessions waiting for a sequence before RESOURCE_EXHAUSTED")
     add(p, "--worker-timeout", float, RouterConfig.worker_timeout, "deadline of one worker call in seconds")
     add(p, "--draft-wait", float, r.draft_wait, "at start, seconds to wait for a loading draft before serving target-only")

@@ -93,6 +93,47 @@ def test_a_session_keeps_drafting_after_its_target_fails_mid_step(engines, overl
     assert res.n_drafted >= 3 * (res.n_steps - 2), (res.n_drafted, res.n_steps)
 
 
+class DyingWhileGoingOn(LocalWorker):
+    """A target that dies at the end of its first verification that hands
+    its tokens on as it goes (VerifyRequest.stream_every): the tokens it
+    handed on reached the router, its answer never does, its KV is lost."""
+
+    def __init__(self, engine, name: str):
+        super().__init__(engine, name)
+        self.handed_on = 0
+
+    async def _send(self, name: str, **f):
+        if name != "verify" or not f.get("stream_every") or self.handed_on:
+            return await super()._send(name, **f)
+        on_partial = f["on_partial"]
+
+        def count(p):
+            self.handed_on += len(p.tokens)
+            on_partial(p)
+        await (await super()._send(name, **{**f, "on_partial": count}))
+        self.engine.clear(-1)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_exception(Unavailable(f"{self.name} died"))
+        return fut
+
+
+def test_tokens_handed_on_before_a_target_died_stay_the_answers_and_it_goes_on_after_them(engines):
+    """The client may already hold tokens of the step that failed: they are
+    history then, and the other target goes on after them, so the answer is
+    the target's alone, with nothing said twice or left out."""
+    prompt = engines[0].tokenize(PROMPTS[3], True, True)
+    alone = _alone(engines, prompt, 40)
+    for e in engines:
+        e.clear(-1)
+    dying = DyingWhileGoingOn(engines[0], "t1")
+    router = Router([dying, LocalWorker(engines[1], "t2")], None,
+                    RouterSettings(check_alignment=True, solo_tokens=12, stream_tokens=4))
+    toks, res = asyncio.run(_run(router, GenParams(prompt=prompt, max_tokens=40, speculative=False)))
+    assert dying.handed_on >= 8  # two groups of the 12 reached the router before the answer was lost
+    assert toks == alone
+    assert res.n_failovers == 1 and res.n_generated == 40
+
+
 def test_a_lookahead_shorter_than_n_min_is_dropped_and_drafting_goes_on(engines, caplog):
     prompt = engines[0].tokenize(PROMPTS[0], True, True)
     alone = _alone(engines, prompt, 48)

@@ -117,13 +117,14 @@ def _one_at_a_time_from(e, text: str, n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("value", [-1, MAX_STOP_ON_REPEAT + 1])
-def test_a_stop_on_repeat_out_of_range_is_refused_and_changes_nothing(engine, value):
+@pytest.mark.parametrize("field, value", [("stop_on_repeat", -1), ("stop_on_repeat", MAX_STOP_ON_REPEAT + 1),
+                                          ("stream_every", -1), ("stream_every", MAX_N_MORE + 2)])
+def test_a_field_of_going_on_out_of_range_is_refused_and_changes_nothing(engine, field, value):
     pos, last = _start(engine, 0)
     before = engine.state(0)
     with pytest.raises(InvalidArgument) as err:
-        engine.verify(0, pos, [last], Sampling(), 0, True, n_more=3, stop_on_repeat=value)
-    assert err.value.field == "stop_on_repeat"
+        engine.verify(0, pos, [last], Sampling(), 0, True, n_more=3, **{field: value})
+    assert err.value.field == field
     assert engine.state(0) == before
 
 
@@ -156,7 +157,7 @@ def test_a_step_that_asked_for_drafts_goes_on_only_until_a_match_can_come():
 
     from specd.router.step import Plan, Solo, solo_tokens
 
-    r = SimpleNamespace(settings=SimpleNamespace(solo_tokens=4), n_ctx=100)
+    r = SimpleNamespace(settings=SimpleNamespace(solo_tokens=4, stream_tokens=4), n_ctx=100)
 
     def plan(k: int, n: int = 10) -> Plan:
         return Plan(t0=0.0, n=n, k=k, n_min=0, p_min=0.0, ckpt=False, load=None, hidden_now=0.0)
@@ -169,3 +170,65 @@ def test_a_step_that_asked_for_drafts_goes_on_only_until_a_match_can_come():
     assert solo_tokens(r, plan(4), 0, remaining=1, match_needs_repeat=12) == Solo(0)  # the last token
     assert solo_tokens(r, plan(0), 0, remaining=2) == Solo(1)  # within max_tokens
     assert solo_tokens(r, plan(0, n=99), 0, remaining=50) == Solo(1)  # within the context
+
+
+def test_calls_longer_than_a_stream_group_hand_their_tokens_on_in_groups():
+    """--solo-tokens 16, --stream-tokens 4: a call of 16 tokens hands them on
+    every 4; a request with stop strings asks for 4 at a time (the target
+    never runs far past one); a call no longer than a group hands nothing on."""
+    from types import SimpleNamespace
+
+    from specd.router.step import Plan, Solo, solo_tokens
+
+    r = SimpleNamespace(settings=SimpleNamespace(solo_tokens=16, stream_tokens=4), n_ctx=100)
+    plan = Plan(t0=0.0, n=10, k=0, n_min=0, p_min=0.0, ckpt=False, load=None, hidden_now=0.0)
+    assert solo_tokens(r, plan, 0, remaining=50) == Solo(15, 0, 4)
+    assert solo_tokens(r, plan, 0, remaining=50, stop_strings=True) == Solo(3, 0, 0)
+    assert solo_tokens(r, plan, 0, remaining=3) == Solo(2, 0, 0)
+    assert solo_tokens(r, plan, 0, remaining=6) == Solo(5, 0, 4)
+
+
+def test_it_hands_its_tokens_on_as_it_goes_and_stops_for_waiting_work(engine):
+    """stream_every: the tokens come in groups, in order, before the answer,
+    which has them all; `others_waiting`: it stops going on after its next
+    token, so that queued operations batch sooner."""
+    want = _one_at_a_time(engine, 0, Sampling(), 10)
+    pos, last = _start(engine, 1)
+    parts = []
+    got = engine.verify(1, pos, [last], Sampling(), 0, True, n_more=9, stream_every=3, on_partial=parts.append)
+    assert got.tokens == want[: len(got.tokens)] and len(got.tokens) == 10
+    assert [(p.offset, len(p.tokens)) for p in parts] == [(0, 3), (3, 3), (6, 3)]
+    assert sum((p.tokens for p in parts), []) == got.tokens[:9]
+    assert sum((p.pieces for p in parts), []) == got.pieces[:9]
+    pos, last = _start(engine, 1)
+    got = engine.verify(1, pos, [last], Sampling(), 0, True, n_more=9, others_waiting=lambda: True)
+    assert got.tokens == want[:1] and got.n_more == 0 and got.state.pos_max == pos
+
+
+@pytest.fixture(scope="module")
+def streaming_cluster(cluster_factory):
+    return cluster_factory(n_ctx=256, n_seq=2, router_args=["--solo-tokens", "12", "--stream-tokens", "4"])
+
+
+COUNTING = "1, 2, 3, 4, 5,"  # goes on past 30 tokens
+
+
+def _messages(client: RouterClient, **kw) -> list[list[int]]:
+    from specd.client import make_request
+
+    return [list(m.token_ids) for m in client.stub.Generate(make_request(COUNTING, **kw), timeout=120) if m.token_ids]
+
+
+def test_the_stream_gets_groups_while_the_target_goes_on_for_longer(streaming_cluster):
+    """Over gRPC, from real worker processes: calls of 12 tokens reach the
+    client in messages of at most 4, the same tokens as calls of 4 (a
+    request with a stop string that never matches); the alignment check
+    (the factory's) passes after every step."""
+    with RouterClient(streaming_cluster.router_address, timeout=120) as client:
+        long = client.generate(COUNTING, max_tokens=30, speculative=False)
+        short = client.generate(COUNTING, max_tokens=30, speculative=False, stop=["<never in this text>"])
+        messages = _messages(client, max_tokens=30, speculative=False)
+    assert long.tokens == short.tokens and long.n_generated == 30
+    assert long.n_steps == 3 and short.n_steps == 8  # 12 + 12 + 6 against 4 a call
+    assert sum(messages, []) == long.tokens
+    assert max(len(m) for m in messages) <= 4 and len(messages) >= 8, [len(m) for m in messages]
