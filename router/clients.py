@@ -386,8 +386,6 @@ class LocalWorker(_Ops):
         f.pop("target_busy", None)
         if f.get("on_partial") is not None:  # called on the engine's thread: hand it to the loop
             f["on_partial"] = partial(asyncio.get_running_loop().call_soon_threadsafe, f["on_partial"])
-        else:
-            f.pop("on_partial", None)
         method = codec.engine_method(name)
         return self._call(lambda: getattr(self.engine, method)(**f))
 

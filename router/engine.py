@@ -178,7 +178,7 @@ class Router:
         s = await self._open(p, result)
         try:
             await self._prompt(s)
-            hand = _HandOut(self, result, p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p))
+            hand = _HandOut(self.eog, result, p.max_tokens if p.max_tokens is not None else self._default_max_tokens(p))
             while True:
                 s.stream = Streamed()
                 task = asyncio.ensure_future(self._next_step(s, hand.room))
@@ -283,19 +283,6 @@ class Router:
         await self.targets.failover(s, exc)
         await self.draft.cut_back(s)
 
-    def cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
-        """Cut a step's tokens after an end-of-generation token or at max_tokens."""
-        finish = ""
-        for i, t in enumerate(out):
-            if t in self.eog:
-                out, pieces, finish = out[: i + 1], pieces[: i + 1], "eog"
-                break
-        if len(out) > room:
-            return out[:room], pieces[:room], "length"
-        if len(out) == room and not finish:
-            finish = "length"
-        return out, pieces, finish
-
     def _default_max_tokens(self, p: GenParams) -> int:
         if self._can_shift(p):
             return self.n_ctx
@@ -381,8 +368,8 @@ class _HandOut:
     """A request's tokens on their way to the caller: cut after an
     end-of-generation token or at max_tokens, counted and timed."""
 
-    def __init__(self, router: Router, result: Result, limit: int):
-        self.router, self.result, self.limit = router, result, limit
+    def __init__(self, eog: frozenset[int], result: Result, limit: int):
+        self.eog, self.result, self.limit = eog, result, limit
         self.t0 = time.perf_counter()
 
     @property
@@ -391,12 +378,25 @@ class _HandOut:
 
     def take(self, tokens: list[int], pieces: list[bytes]) -> tuple[Step | None, str]:
         """The Step to yield (None: nothing to show) and the finish reason, if these tokens end the request."""
-        out, pieces, finish = self.router.cut(tokens, pieces, self.room)
+        out, pieces, finish = self._cut(tokens, pieces, self.room)
         self.result.n_generated += len(out)
         self.result.generation_seconds = time.perf_counter() - self.t0
         if finish == "eog":  # counted as generated, not shown
             out, pieces = out[:-1], pieces[:-1]
         return (Step(out, pieces) if out else None), finish
+
+    def _cut(self, out: list[int], pieces: list[bytes], room: int) -> tuple[list[int], list[bytes], str]:
+        """Cut tokens after an end-of-generation token or at max_tokens."""
+        finish = ""
+        for i, t in enumerate(out):
+            if t in self.eog:
+                out, pieces, finish = out[: i + 1], pieces[: i + 1], "eog"
+                break
+        if len(out) > room:
+            return out[:room], pieces[:room], "length"
+        if len(out) == room and not finish:
+            finish = "length"
+        return out, pieces, finish
 
 
 async def _more_streamed(stream: Streamed, task: asyncio.Future, sent: int) -> bool:
