@@ -18,8 +18,8 @@ import pathlib
 import platform
 import time
 
-from specd.bench_common import (Cell, Run, clusters, fresh_start_lines, fresh_start_summary, load_prompts, progress,
-                                 split_drafts, tok_s)
+from specd.bench_common import (Cell, Run, clusters, first_difference, fresh_start_lines, fresh_start_summary,
+                                 load_prompts, progress, split_drafts, tok_s)
 from specd.models import resolve_draft, resolve_target
 
 SWEEP_LENGTHS = "1,2,4,8"
@@ -86,6 +86,18 @@ class InProcess:
             self.draft.model.close()
 
 
+def _differences(mode: str, draft: str, n: int, rep: int, runs: list[Run], baseline: list[list[int]]) -> list[dict]:
+    """The cell's greedy difference from target-only, if any, with its request
+    and first differing token (a near-tie shows as a flip there)."""
+    got = [r.tokens for r in runs]
+    if got == baseline:
+        return []
+    request, position = first_difference(baseline, got)
+    return [{"mode": mode, "draft": draft, "n_draft": n, "repetition": rep, "request": request, "position": position,
+             "expected": baseline[request][position:position + 4] if request < len(baseline) else [],
+             "got": got[request][position:position + 4] if request < len(got) else []}]
+
+
 def bench(args) -> dict:
     from specd.launcher import ClusterSpec  # loads gRPC: not at CLI start
 
@@ -123,12 +135,10 @@ def bench(args) -> dict:
             for n in lengths:
                 runs = record("distributed", draft, n, run_distributed(cluster.router_address, prompts, args.max_tokens, n, True))
                 starts[draft][-1] += sum(r.n_drafted for r in runs)
-                if [r.tokens for r in runs] != baseline_tokens:
-                    mismatches.append(("distributed", draft, n))
+                mismatches += _differences("distributed", draft, n, rep, runs, baseline_tokens)
                 if inproc is not None:
                     runs = record("in-process", draft, n, inproc.run(prompts, args.max_tokens, n))
-                    if [r.tokens for r in runs] != baseline_tokens:
-                        mismatches.append(("in-process", draft, n))
+                    mismatches += _differences("in-process", draft, n, rep, runs, baseline_tokens)
         if inproc is not None:
             inproc.close()
     bar.close()
@@ -174,9 +184,11 @@ def markdown(result: dict) -> str:
                  f"Target {os.path.basename(s['target_model'])} ({s['target_threads']} threads, {s.get('target_threads_batch', s['target_threads'])} for batches), drafts {', '.join(s['drafts'])} "
                  f"({s['draft_threads']} thread), workload {s['workload']} ({s['prompts']} prompts × {s['max_tokens']} tokens, "
                  f"greedy), {s['repeats']} repetitions. Greedy output mismatches: {len(result['greedy_output_mismatches'])}.")
+    lines += [f"- {m['mode']} {m['draft']} n={m['n_draft']}, repetition {m['repetition']}: request {m['request']}, "
+              f"token {m['position']} (expected {m['expected']}, got {m['got']})"
+              for m in result["greedy_output_mismatches"]]
     lines += fresh_start_lines(result.get("fresh_starts", {}))
     return "\n".join(lines) + "\n"
-
 
 
 def plot(result: dict, path: pathlib.Path) -> bool:

@@ -224,3 +224,24 @@ def test_llama_server_ngram_flags_and_draft_bound_follow_llama_cpp():
     assert ngram_server_args("mod")[1] == 64 and ngram_server_args("cache")[1] == 8
     with pytest.raises(SystemExit, match="unknown type"):
         ngram_server_args("lookup")
+
+
+def test_a_greedy_difference_names_its_request_and_token():
+    from specd.bench_common import Run
+    from specd.bench_single import _differences, markdown
+
+    def runs(*outputs):
+        return [Run(len(t), 0, 0, 1, 1.0, 0.0, 0.0, 1.0, 0.0, list(t)) for t in outputs]
+
+    baseline = [[1, 2, 3], [4, 5, 6, 7]]
+    assert _differences("distributed", "q4_1", 4, 0, runs([1, 2, 3], [4, 5, 6, 7]), baseline) == []
+    (found,) = _differences("in-process", "q4_1", 4, 2, runs([1, 2, 3], [4, 5, 9, 7]), baseline)
+    assert (found["mode"], found["repetition"], found["request"], found["position"]) == ("in-process", 2, 1, 2)
+    assert (found["expected"], found["got"]) == ([6, 7], [9, 7])
+    # a shorter answer differs where it stops
+    (short,) = _differences("distributed", "q4_1", 4, 0, runs([1, 2], [4, 5, 6, 7]), baseline)
+    assert (short["request"], short["position"], short["got"]) == (0, 2, [])
+    result = {"settings": {"target_model": "t.gguf", "target_threads": 1, "draft_threads": 1, "drafts": ["q4_1"],
+                           "workload": "prompts", "prompts": 2, "max_tokens": 4, "repeats": 3},
+              "machine": {"cpus": 2, "processor": "x86_64", "platform": "x"}, "rows": [], "greedy_output_mismatches": [found]}
+    assert "in-process q4_1 n=4, repetition 2: request 1, token 2 (expected [6, 7], got [9, 7])" in markdown(result)
