@@ -165,6 +165,17 @@ def first_difference(ref: list[list[int]], got: list[list[int]]) -> tuple[int, i
     return min(len(ref), len(got)), 0
 
 
+def difference(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Where two cells' greedy outputs first differ, and up to 4 tokens on each
+    side from there (none where a side has no such request)."""
+    request, position = first_difference(ref, got)
+
+    def tokens(outputs: list[list[int]]) -> list[int]:
+        return outputs[request][position:position + 4] if request < len(outputs) else []
+
+    return {"request": request, "position": position, "expected": tokens(ref), "got": tokens(got)}
+
+
 def paired_ratios(mode_tok_s: list[float], base_tok_s: list[float]) -> list[float]:
     """Each repetition's ratio of a mode to target-only at the same load.
     The two cells of a repetition run back to back, so what drifts over a

@@ -36,7 +36,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from specd.bench_common import (clusters, draft_length, first_difference, fresh_start_lines, fresh_start_summary,
+from specd.bench_common import (clusters, difference, draft_length, fresh_start_lines, fresh_start_summary,
                                 geomean_interval, load_prompts, mode_order, paired_ratios, progress, split_drafts)
 from specd.models import resolve_draft, resolve_target
 
@@ -129,11 +129,8 @@ def bench_load(args) -> dict:
                 if ref is None:
                     ref, ref_mode = cell["tokens"], mode
                 elif cell["tokens"] != ref:
-                    request, position = first_difference(ref, cell["tokens"])
                     mismatches.append({"repetition": rep, "sessions": c, "mode": mode, "against": ref_mode,
-                                       "request": request, "position": position,
-                                       "expected": ref[request][position:position + 4],
-                                       "got": cell["tokens"][request][position:position + 4]})
+                                       **difference(ref, cell["tokens"])})
                 bar.update(1)
                 bar.set_postfix_str(f"C={c} {mode}: {cell['tok_s']:.1f} tok/s")
     bar.close()

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specd.bench_common import (draft_length, first_difference, geomean_interval, load_prompts, paired_ratios, progress,
+from specd.bench_common import (difference, draft_length, geomean_interval, load_prompts, paired_ratios, progress,
                                 split_drafts)
 from specd.models import cache_dir, resolve_draft, resolve_target
 
@@ -325,10 +325,7 @@ def compare_outputs(outputs: dict[str, list[list[int]]]) -> list[dict]:
     for name, ref, kind in pairs:
         if name not in outputs or ref not in outputs or outputs[name] == outputs[ref]:
             continue
-        request, position = first_difference(outputs[ref], outputs[name])
-        found.append({"kind": kind, "contender": name, "against": ref, "request": request, "position": position,
-                      "expected": outputs[ref][request][position:position + 4],
-                      "got": outputs[name][request][position:position + 4]})
+        found.append({"kind": kind, "contender": name, "against": ref, **difference(outputs[ref], outputs[name])})
     return found
 
 

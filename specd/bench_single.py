@@ -18,7 +18,7 @@ import pathlib
 import platform
 import time
 
-from specd.bench_common import (Cell, Run, clusters, first_difference, fresh_start_lines, fresh_start_summary,
+from specd.bench_common import (Cell, Run, clusters, difference, fresh_start_lines, fresh_start_summary,
                                  load_prompts, progress, split_drafts, tok_s)
 from specd.models import resolve_draft, resolve_target
 
@@ -92,10 +92,7 @@ def _differences(mode: str, draft: str, n: int, rep: int, runs: list[Run], basel
     got = [r.tokens for r in runs]
     if got == baseline:
         return []
-    request, position = first_difference(baseline, got)
-    return [{"mode": mode, "draft": draft, "n_draft": n, "repetition": rep, "request": request, "position": position,
-             "expected": baseline[request][position:position + 4] if request < len(baseline) else [],
-             "got": got[request][position:position + 4] if request < len(got) else []}]
+    return [{"mode": mode, "draft": draft, "n_draft": n, "repetition": rep, **difference(baseline, got)}]
 
 
 def bench(args) -> dict:
