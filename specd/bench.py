@@ -27,7 +27,8 @@ from specd.bench_temperature import parse_temperatures
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark target-only, in-process and distributed speculative decoding")
     p.add_argument("--target", default="smollm2", help="smollm2 | gemma3 | NAME:FTYPE (e.g. gemma3:F32, derived) | PATH")
-    p.add_argument("--drafts", default="q4_1,q2_k", help="comma list: q4_1, q2_k, q8_0, ngram:SPEC or a path")
+    p.add_argument("--drafts", default="q8_0,q2_k",
+                   help="comma list: q8_0 (the default draft), q4_1, q2_k, ngram:SPEC or a path")
     p.add_argument("--draft-lengths", default="",
                    help="comma list; default 1,2,4,8 for the draft sweep, the router's n_max for the other modes")
     p.add_argument("--workload", default="prompts", help="bench/NAME.jsonl or a path")

@@ -216,7 +216,7 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
 
     binary = find_llama_server(args.llama_server)
     target = resolve_target(args.target)
-    draft, _ = resolve_draft(next((d for d in split_drafts(args.drafts) if not d.startswith("ngram:")), "q4_1"))
+    draft, _ = resolve_draft(next((d for d in split_drafts(args.drafts) if not d.startswith("ngram:")), "q8_0"))
     n_draft = draft_length(args)
     n_seq, cores = max(levels), os.cpu_count() or 2
     threads = default_threads()

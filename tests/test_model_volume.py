@@ -63,4 +63,6 @@ def test_the_draft_default_prepares_the_draft_alone(tmp_path):
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert path.is_symlink() and path.read_bytes()[:4] == b"GGUF"
-    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q8_0.gguf"]  # the shipped file and the draft
+    assert path.resolve().name == "SmolLM2-135M-Instruct.Q8_0.gguf"
