@@ -11,7 +11,6 @@ gRPC, the router or llama.cpp is imported inside the function using it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import pathlib
@@ -145,15 +144,23 @@ def fresh_start_lines(fresh: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ comparing modes
-def mode_order(modes: tuple[str, ...], rep: int) -> tuple[str, ...]:
-    """The order of the modes in repetition `rep`: every permutation in
-    turn, so over a multiple of their number (6 for three modes) each mode
-    runs as often in each place and after each other mode. A cell runs
-    faster or slower for what ran before it (a fresh KV cache, the draft's
-    leftover work); rotating one order left adaptive always right after
-    fixed and target-only after adaptive."""
-    orders = list(itertools.permutations(modes))
-    return orders[rep % len(orders)]
+def balanced_order(items: list, rep: int) -> list:
+    """The order of `items` in repetition `rep`, a Williams design: over n
+    repetitions (2n for an odd number n) each item runs once in each place
+    and right after each other item equally often. A cell runs faster or
+    slower for what ran before it; rotating one order would put the same
+    contender always right after the same other."""
+    n = len(items)
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    r = rep % (n if n % 2 == 0 else 2 * n)
+    order = [items[(b + r) % n] for b in base]
+    return order[::-1] if r >= n else order
 
 
 def first_difference(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specd.bench_common import draft_length, load_prompts, mode_order, progress, split_drafts
+from specd.bench_common import balanced_order, draft_length, load_prompts, progress, split_drafts
 from specd.models import resolve_draft, resolve_target
 
 PROTOCOLS = ("grpc", "http")
@@ -109,7 +109,7 @@ def bench_protocols(args) -> dict:
             for c in levels:
                 n_req = max(args.requests_per_session * c, args.min_requests)
                 prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
-                for protocol in mode_order(protocols, rep):
+                for protocol in balanced_order(list(protocols), rep):
                     cell = run_cell(cluster, protocol, prompts, c, args.max_tokens, n_draft)
                     cell["repetition"] = rep
                     cells.setdefault((c, protocol), []).append(cell)

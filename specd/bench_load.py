@@ -36,8 +36,9 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from specd.bench_common import (clusters, difference, draft_length, fresh_start_lines, fresh_start_summary,
-                                geomean_interval, load_prompts, mode_order, paired_ratios, progress, split_drafts)
+from specd.bench_common import (balanced_order, clusters, difference, draft_length, fresh_start_lines,
+                                fresh_start_summary, geomean_interval, load_prompts, paired_ratios, progress,
+                                split_drafts)
 from specd.models import resolve_draft, resolve_target
 
 MODES = ("target-only", "fixed", "adaptive")  # the default
@@ -119,7 +120,7 @@ def bench_load(args) -> dict:
             n_req = max(args.requests_per_session * c, args.min_requests)
             prompts = [base_prompts[i % len(base_prompts)] for i in range(n_req)]
             ref = ref_mode = None
-            for mode in mode_order(modes, rep):
+            for mode in balanced_order(list(modes), rep):
                 before = target_counters(targets, spec.host)
                 cell = run_cell(cluster.router_address, prompts, c, args.max_tokens, _mode_kwargs(mode, n_draft))
                 after = target_counters(targets, spec.host)

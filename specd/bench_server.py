@@ -15,7 +15,8 @@ prompts as the same token ids:
 For each load C, C sessions each send their share of the requests one after
 the other; aggregate tokens/s = generated tokens / wall time, prompt
 processing included, prompt caches off. Every repetition runs every
-contender at every load in a rotated order, and each contender is compared
+contender at every load, in an order that puts each contender after each
+other equally often (bench_common.balanced_order), and each contender is compared
 with llama-server per repetition (the two ran close together, so drift
 cancels). Greedy outputs must agree token for token with llama-server's:
 a difference is reported with its request and token.
@@ -39,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specd.bench_common import (difference, draft_length, geomean_interval, load_prompts, paired_ratios, progress,
-                                split_drafts)
+from specd.bench_common import (balanced_order, difference, draft_length, geomean_interval, load_prompts,
+                                paired_ratios, progress, split_drafts)
 from specd.models import cache_dir, resolve_draft, resolve_target
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -276,9 +277,8 @@ def bench_vs_server(args) -> dict:
             for c in levels:
                 n_req = max(args.requests_per_session * c, args.min_requests)
                 prompts = [ids[i % len(ids)] for i in range(n_req)]
-                k = (rep + levels.index(c)) % len(names)
                 outputs = {}
-                for x in setup.contenders[k:] + setup.contenders[:k]:
+                for x in balanced_order(setup.contenders, rep + levels.index(c)):
                     cell = run_cell(x, prompts, c, args.max_tokens)
                     cells.setdefault((c, x.name), []).append(cell)
                     outputs[x.name] = cell["tokens"]
@@ -364,7 +364,7 @@ def markdown(result: dict) -> str:
     lines += ["", f"Machine: {result['machine']['cpus']} CPUs. Workload {s['workload']}, {s['max_tokens']} tokens a "
               f"request, {s['requests_per_session']} requests a session (at least {s['min_requests']} a cell), "
               f"{sampled(s.get('temperature', 0.0))}, "
-              f"prompt caches off, {s['repeats']} repetitions, contenders in rotated order. llama-server: "
+              f"prompt caches off, {s['repeats']} repetitions, contenders in an order balanced for what ran before (Williams). llama-server: "
               f"`-t N -tb N -np {max(s['concurrency'])} -c {max(s['concurrency'])}×{s['n_ctx']}` (N = all cores); "
               "specd as `specd up` starts it."
               + ("" if s.get("temperature", 0.0) else

@@ -68,17 +68,36 @@ def test_paired_ratios_cancel_drift_between_repetitions():
 def test_mode_orders_balance_place_and_predecessor():
     import collections
 
-    from specd.bench_common import mode_order
+    from specd.bench_common import balanced_order
     from specd.bench_load import MODES
 
-    orders = [mode_order(MODES, rep) for rep in range(6)]
+    orders = [balanced_order(list(MODES), rep) for rep in range(6)]
     assert all(sorted(o) == sorted(MODES) for o in orders)
     places = collections.Counter((m, o.index(m)) for o in orders for m in o)
     assert set(places.values()) == {2}  # each mode twice in each place
     after = collections.Counter(pair for o in orders for pair in zip(o, o[1:]))
     assert set(after.values()) == {2} and len(after) == 6  # each mode twice right after each other
-    assert mode_order(MODES, 6) == mode_order(MODES, 0)
-    assert mode_order(("target-only", "adaptive"), 1) == ("adaptive", "target-only")
+    assert balanced_order(list(MODES), 6) == orders[0]
+    assert balanced_order(["target-only", "adaptive"], 1) == ["adaptive", "target-only"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 12])
+def test_balanced_orders_put_each_contender_in_each_place_and_after_each_other(n):
+    # the llama-server bench's contenders: a rotation would put specd's
+    # plain path always right after specd
+    import collections
+
+    from specd.bench_common import balanced_order
+
+    items = [f"c{i}" for i in range(n)]
+    reps = n if n % 2 == 0 else 2 * n
+    orders = [balanced_order(items, rep) for rep in range(reps)]
+    assert all(sorted(o) == sorted(items) for o in orders)
+    places = collections.Counter((x, o.index(x)) for o in orders for x in o)
+    assert set(places.values()) == {reps // n} and len(places) == n * n
+    after = collections.Counter(pair for o in orders for pair in zip(o, o[1:]))
+    assert len(after) == n * (n - 1) and len(set(after.values())) <= 1  # each after each other, equally often
+    assert balanced_order(items, reps) == orders[0]
 
 
 def test_bench_modes_flag_names_a_bad_mode():
