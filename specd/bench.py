@@ -22,13 +22,15 @@ from specd import bench_http, bench_load, bench_server, bench_single, bench_temp
 from specd.bench_http import PROTOCOLS
 from specd.bench_load import KNOWN_MODES
 from specd.bench_temperature import parse_temperatures
+from specd.models import DRAFT_FTYPE
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark target-only, in-process and distributed speculative decoding")
     p.add_argument("--target", default="smollm2", help="smollm2 | gemma3 | NAME:FTYPE (e.g. gemma3:F32, derived) | PATH")
-    p.add_argument("--drafts", default="q8_0,q2_k",
-                   help="comma list: q8_0 (the default draft), q4_1, q2_k, ngram:SPEC or a path")
+    p.add_argument("--drafts", default=f"{DRAFT_FTYPE.lower()},q2_k",
+                   help="comma list: q8_0, q4_1, q2_k, f16 (derived from the shipped model; "
+                        f"{DRAFT_FTYPE.lower()} is the default draft), ngram:SPEC or a path")
     p.add_argument("--draft-lengths", default="",
                    help="comma list; default 1,2,4,8 for the draft sweep, the router's n_max for the other modes")
     p.add_argument("--workload", default="prompts", help="bench/NAME.jsonl or a path")

@@ -42,7 +42,7 @@ from typing import Callable
 
 from specd.bench_common import (balanced_order, difference, draft_length, geomean_interval, load_prompts,
                                 paired_ratios, progress, split_drafts)
-from specd.models import cache_dir, resolve_draft, resolve_target
+from specd.models import DRAFT_FTYPE, cache_dir, resolve_draft, resolve_target
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BASELINE = "llama-server"
@@ -217,7 +217,8 @@ def start_all(args, levels: list[int], workdir: pathlib.Path) -> Setup:
 
     binary = find_llama_server(args.llama_server)
     target = resolve_target(args.target)
-    draft, _ = resolve_draft(next((d for d in split_drafts(args.drafts) if not d.startswith("ngram:")), "q8_0"))
+    draft, _ = resolve_draft(next((d for d in split_drafts(args.drafts) if not d.startswith("ngram:")),
+                             DRAFT_FTYPE.lower()))
     n_draft = draft_length(args)
     n_seq, cores = max(levels), os.cpu_count() or 2
     threads = default_threads()
@@ -364,7 +365,8 @@ def markdown(result: dict) -> str:
     lines += ["", f"Machine: {result['machine']['cpus']} CPUs. Workload {s['workload']}, {s['max_tokens']} tokens a "
               f"request, {s['requests_per_session']} requests a session (at least {s['min_requests']} a cell), "
               f"{sampled(s.get('temperature', 0.0))}, "
-              f"prompt caches off, {s['repeats']} repetitions, contenders in an order balanced for what ran before (Williams). llama-server: "
+              f"prompt caches off, {s['repeats']} repetitions, contenders in an order balanced for what ran "
+              "before (Williams). llama-server: "
               f"`-t N -tb N -np {max(s['concurrency'])} -c {max(s['concurrency'])}×{s['n_ctx']}` (N = all cores); "
               "specd as `specd up` starts it."
               + ("" if s.get("temperature", 0.0) else
