@@ -111,6 +111,10 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         # router drafting in process offers llama.cpp's most sequence ids
         self.proposers = {0: self._make()}  # a bad spec fails here, not at the first proposal
         self.verified = [VerifiedPrefix() for _ in range(n_seq)]
+        # seq -> prompt length, told to its proposer at the next proposal:
+        # what the router decodes outside a proposal is a prompt (its last
+        # token comes with the first proposal)
+        self.prompts: dict[int, int] = {}
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -135,6 +139,8 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         proposer = self.proposers.get(seq_id)
         if proposer is None:
             proposer = self.proposers[seq_id] = self._make()
+        if seq_id in self.prompts:
+            proposer.begin(self.prompts.pop(seq_id))
         proposer.observe(history[:n_verified])
         drafts = [int(t) for t in proposer.propose(history, n_max, n_verified)][:n_max]
         if len(drafts) > 1:
@@ -145,9 +151,15 @@ class NgramEngine(_ProposeMixin, WorkerEngine):
         known.proposed(len(history), res.tokens, n_verified)
         return res
 
+    def decode_steps(self, seq_id: int, pos: int, tokens) -> Steps:
+        state = yield from super().decode_steps(seq_id, pos, tokens)
+        self.prompts[seq_id] = state.n_tokens + 1
+        return state
+
     def clear(self, seq_id: int) -> None:
         super().clear(seq_id)
         for i in range(self.n_seq) if seq_id == -1 else [seq_id]:
+            self.prompts.pop(i, None)
             if i in self.proposers:
                 self.proposers[i].reset()
             self.verified[i].reset()

@@ -81,7 +81,12 @@ def test_truncated_history_forgets_removed_continuation(name):
     # llama_memory_seq_rm removed everything after PREFIX: X must not come back
     assert p.propose(PREFIX, 4) == []
     # regenerated differently: the new continuation is proposed, not the removed one
-    assert p.propose(PREFIX + Z + K, 4) == Z[:4]
+    if name.startswith("map-k"):
+        # llama.cpp's map never indexes a key in the last size_n + size_m
+        # tokens of a prompt (here the kept PREFIX): only a later copy counts
+        assert p.propose(PREFIX + Z + K + Y + K + Y + K, 4) == Y[:4]
+    else:
+        assert p.propose(PREFIX + Z + K, 4) == Z[:4]
 
 
 @pytest.mark.parametrize("name", PROPOSER_NAMES)
@@ -140,18 +145,31 @@ def test_simple_rejects_bad_sizes(kw):
 def test_map_k_latest_vs_k4v_majority():
     h = L + K + X + [5] + K + X + [6] + K + Y + [7] + K
     assert NgramMapProposer(True, 3, 4).propose(h, 8) == Y[:4]      # latest continuation
-    assert NgramMapProposer(False, 3, 4).propose(h, 8) == X[:4]     # 2 of 3: the majority
+    # map-k4v: X follows K twice, Y once, so the count lets it draft; like
+    # llama.cpp it drafts what follows the match (Y), X only sets the length
+    assert NgramMapProposer(False, 3, 4).propose(h, 8) == Y[:4]
     tie = L + K + X + [5] + K + Y + [7] + K
     assert NgramMapProposer(False, 3, 4).propose(tie, 8) == []      # 1 vs 1: no clear winner
     assert NgramMapProposer(True, 3, 4).propose(tie, 8) == Y[:4]
 
 
+def test_map_k_takes_the_first_copy_it_indexed():
+    """The hash table keeps the first position it indexed for a key: once a
+    copy is indexed, later copies do not replace it (llama.cpp's key_map)."""
+    p = NgramMapProposer(True, 3, 4)
+    assert p.propose(A, 8) == X[:4]                  # indexes the prompt, K at 12
+    h = A + X[:4] + [9, 7] + K + Y + [6] + K         # the draft held; K again, then Y
+    assert p.propose(h, 8) == X[:4]                  # K at 32 (then Y) is newer: 12 stays
+    assert NgramMapProposer(True, 3, 4).propose(h, 8) == Y[:4]   # a fresh prompt: the latest
+
+
 def test_map_min_hits():
-    once = A
-    twice = L + K + X + [5] + K + X + [6] + K
-    for key_only in (True, False):
-        assert NgramMapProposer(key_only, 3, 4, min_hits=2).propose(once, 4) == []
-        assert NgramMapProposer(key_only, 3, 4, min_hits=2).propose(twice, 4) == X[:4]
+    """min_hits counts lookups of the key (map-k4v only; map-k ignores it, as llama.cpp)."""
+    p = NgramMapProposer(False, 3, 4, min_hits=2)
+    assert p.propose(A, 4) == []                     # the key's first lookup
+    p.observe(A)
+    assert p.propose(A, 4) == X[:4]                  # its second
+    assert NgramMapProposer(True, 3, 4, min_hits=2).propose(A, 4) == X[:4]
 
 
 @pytest.mark.parametrize("key_only", [True, False])
@@ -177,18 +195,16 @@ def test_map_k_learns_accepted_length():
     assert NgramMapProposer(True, 3, 4).propose(again, 4) == X[:2] + [99, 98]
 
 
-def test_map_k_rejected_key_stays_off_until_truncated_away():
+def test_map_k_rejected_key_stays_off():
     p = NgramMapProposer(True, 3, 4)
     assert p.propose(A, 4) == X[:4]
-    p.observe(A + [99])                  # first drafted token rejected -> entry disabled
+    p.observe(A + [99])                  # first drafted token rejected -> the key drafts 0 tokens
     assert p.propose(A + [99, 98] + K, 4) == []
-    # kept: truncation after the evidence (position len(A)) keeps what was learned
-    grown = A + [99] + [60, 61, 62, 63, 64, 65]
-    p.observe(grown)
-    assert p.propose(grown[:30] + K, 4) == []
-    assert NgramMapProposer(True, 3, 4).propose(grown[:30] + K, 4) == [99, 60, 61, 62]
-    # forgotten: truncating back to A removes the rejected token, and what it taught
-    assert p.propose(A, 4) == X[:4]
+    # truncating after the key keeps it, and what it learned (as llama.cpp's begin)
+    assert p.propose(A, 4) == []
+    # truncating before it forgets it
+    assert p.propose(L + K + X[:1], 4) == []
+    assert p.propose(L + K + Z + [7] + K + Y + [6] + K, 4) == Y[:4]
 
 
 def test_map_k4v_learns_accepted_length():
@@ -327,16 +343,15 @@ def test_map_k_judges_a_lookahead_once_its_guess_held():
     assert p.propose(A, 2) == X[:2]                  # d, verified by the target ...
     look = p.propose(A + X[:2], 4, len(A))           # ... while a lookahead drafts after it
     assert look == X[2:6]
+    assert list(p.map.keys) == [tuple(K)]            # the lookahead changed nothing
     # the target accepted d and said X2 (the guess held); X3 then rejected
     p.observe(A + X[:3] + [99])
-    # d counts 2 accepted tokens; the lookahead (its key: the last 3 tokens then) 1, the guess
-    assert p.accepted[(tuple(K), ())][0] == 2
-    assert p.accepted[((K[-1], X[0], X[1]), ())][0] == 1
+    assert p.map.keys[tuple(K)].values[0].n_accepted == 2
     q = NgramMapProposer(True, 3, 4)
     assert q.propose(A, 2) == X[:2]
     q.propose(A + X[:2], 4, len(A))
-    q.observe(A + [98])                              # d rejected: the lookahead was never verified
-    assert q.accepted == {(tuple(K), ()): (0, len(A) + 1)}
+    q.observe(A + [98])                              # d rejected
+    assert q.map.keys[tuple(K)].values[0].n_accepted == 0
 
 
 def test_mod_clear():

@@ -166,3 +166,23 @@ def test_router_refuses_a_bad_in_process_ngram_drafter_naming_the_flag(tmp_path,
                            "--http-port", "0", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_the_ngram_engine_tells_map_k_where_the_prompt_ends():
+    """What the router decodes before a request's first proposal is its
+    prompt (llama.cpp's common_speculative_begin): map-k searches the
+    prompt before the tokens the target generated alone since."""
+    from specd.draft_worker.engine import NgramEngine
+
+    L, K, X, Y = list(range(100, 112)), [1, 2, 3], list(range(10, 18)), list(range(20, 28))
+    prompt, alone = L + K + X, K + Y + [7] + K
+    told = NgramEngine("map-k:size-n=3:size-m=4", 1, 512)
+    told.decode(0, 0, prompt[:-1])                   # the prefill: all but the last token
+    res = told.propose(0, len(prompt) - 1, prompt[-1:] + alone, 4, 0, 0.0)
+    assert told.proposers[0].map.size_last_begin == len(prompt)
+    assert res.tokens == X[:4]                       # K's copy in the prompt
+    untold = NgramEngine("map-k:size-n=3:size-m=4", 1, 512)
+    res = untold.propose(0, 0, prompt + alone, 4, 0, 0.0)
+    assert res.tokens == Y[:4]                       # all of it taken for the prompt: the latest copy
+    told.clear(0)
+    assert 0 not in told.prompts

@@ -68,6 +68,11 @@ class Proposer(Protocol):
         """Forget per-sequence learned state (a new sequence starts)."""
         ...
 
+    def begin(self, n_prompt: int) -> None:
+        """A request starts: the history's first n_prompt tokens are its
+        prompt (llama.cpp's common_speculative_begin); before its first proposal."""
+        ...
+
 
 class ChainProposer:
     """Proposes with the first member that returns a non-empty draft; observe/reset go to all."""
@@ -100,6 +105,10 @@ class ChainProposer:
     def reset(self) -> None:
         for member in self.members:
             member.reset()
+
+    def begin(self, n_prompt: int) -> None:
+        for member in self.members:
+            member.begin(n_prompt)
 
 
 def _build(name: str, params: dict[str, int], cache_path: str | os.PathLike | None) -> Proposer:

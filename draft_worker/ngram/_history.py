@@ -55,7 +55,6 @@ class Judged(NamedTuple):
 
     tag: Any               # proposer-specific: which table entry produced the draft
     accepted: int          # leading draft tokens the verified history holds at their positions
-    evidence_end: int      # first position not used to judge the draft
 
 
 WAIT = object()  # a verdict: the verified history does not tell yet
@@ -91,7 +90,7 @@ class _Pending:
             return None
         if n_acc == len(got) < len(self.tokens):
             return WAIT
-        return Judged(self.tag, n_acc, self.pos + min(n_acc + 1, len(got)))
+        return Judged(self.tag, n_acc)
 
 
 MAX_PENDING = 8  # drafts a proposer keeps waiting for their verdict; older ones are forgotten

@@ -181,6 +181,9 @@ class CacheProposer:
     def observe(self, history: Sequence[int]) -> None:
         self._sync(as_array(history))
 
+    def begin(self, n_prompt: int) -> None:
+        """Nothing to do: the prompt's n-grams are learned as observe() sees them."""
+
     def reset(self) -> None:
         """End the sequence: merge its context into the dynamic cache, then forget it."""
         merge(self.dynamic, self.context)

@@ -128,6 +128,9 @@ class ModProposer:
         self.table = table if table is not None else ModTable(self.n_match, check_range("table_size", table_size, 1, 1 << 32))
         self.reset()
 
+    def begin(self, n_prompt: int) -> None:
+        """Nothing to do: the prompt's n-grams are learned as observe() sees them."""
+
     def reset(self) -> None:
         """Start a new sequence: forget its history and acceptance streak; keep the table."""
         self._seen = SeenHistory()

@@ -72,3 +72,6 @@ class SimpleProposer:
 
     def reset(self) -> None:
         pass
+
+    def begin(self, n_prompt: int) -> None:
+        pass
