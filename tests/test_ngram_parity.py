@@ -16,15 +16,9 @@ import pytest
 
 from specd.draft_worker.ngram import NgramMapProposer
 from specd.draft_worker.ngram.map_k import NgramMap
+from specd.router.pool import common_prefix
 
 TRACES = json.loads((Path(__file__).parent / "data" / "ngram_map_llama.json").read_text())["traces"]
-
-
-def leading_matches(draft: list[int], truth: list[int]) -> int:
-    k = 0
-    while k < len(draft) and k < len(truth) and draft[k] == truth[k]:
-        k += 1
-    return k
 
 
 def play(tokens: list[int], begin: int, draft_after, accept) -> list[list[int]]:
@@ -35,7 +29,7 @@ def play(tokens: list[int], begin: int, draft_after, accept) -> list[list[int]]:
     while pos <= len(tokens):
         draft = draft_after(pos)
         drafts.append(draft)
-        k = leading_matches(draft, tokens[pos:])
+        k = common_prefix(draft, tokens[pos:])  # the draft's tokens the target keeps
         accept(k)
         pos += k + 1
     return drafts

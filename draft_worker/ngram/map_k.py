@@ -106,8 +106,8 @@ class NgramMap:
             if key.idx >= cleanup:
                 del self.keys[tokens]
             elif not self.key_only:
-                kept = [v for v in key.values if v.idx == 0 or v.idx < cleanup]
-                kept = [v for v in kept if v.idx != 0] + [v for v in kept if v.idx == 0]
+                # used slots are a prefix (filled in order): keep it so, the freed ones at the end
+                kept = [v for v in key.values if 0 < v.idx < cleanup]
                 key.values = kept + [MapValue(0) for _ in range(MAX_VALUES - len(kept))]
                 if key.values[0].idx == 0:
                     del self.keys[tokens]
