@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from specd.engine import SeqState
 from specd.errors import FailedPrecondition, Internal, SpecdError
@@ -60,7 +61,7 @@ async def resync_draft(r, s: Session) -> None:
     await draft.clear(s.seq).result()
     s.n_d, s.ahead = 0, []
     if len(s.ctx) > 1:
-        await draft.decode(s.seq, 0, s.ctx[:-1], draft_busy=r.targets.busy).result()
+        await draft.decode(s.seq, 0, s.ctx[:-1], draft_busy=math.inf if r.targets.busy else 0.0).result()
         s.n_d = len(s.ctx) - 1
 
 

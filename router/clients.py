@@ -16,6 +16,7 @@ issue a KV operation and the next decode without waiting in between
 from __future__ import annotations
 
 import asyncio
+import math
 import collections
 import uuid
 from functools import partial
@@ -90,6 +91,11 @@ class Op:
         return await (await self._send())
 
 
+def _busy_fields(busy: float) -> dict:
+    """DecodeRequest's draft_busy and busy_seconds of a busy time in seconds."""
+    return {"draft_busy": busy > 0, "busy_seconds": busy if 0 < busy < math.inf else 0.0}
+
+
 class _Ops:
     """The operation methods, written once over `_send(op_name, **fields)`
     (a coroutine that sends and returns the result's future); each returns
@@ -97,6 +103,8 @@ class _Ops:
     answered yet (whether the worker is busy computing for the router)."""
 
     computing = 0
+    # called with (operation, fields) as a computing operation is sent (DraftLink prices it)
+    on_compute: Callable[[str, dict], None] | None = None
 
     def _track(self, fut: asyncio.Future) -> asyncio.Future:
         self.computing += 1
@@ -107,10 +115,15 @@ class _Ops:
         return fut
 
     async def _send_tracked(self, name: str, **fields) -> asyncio.Future:
+        if self.on_compute is not None:
+            self.on_compute(name, fields)
         return self._track(await self._send(name, **fields))
 
-    def decode(self, seq_id: int, pos: int, tokens, draft_busy: bool = False) -> Op:
-        return Op(partial(self._send_tracked, "decode", seq_id=seq_id, pos=pos, tokens=tokens, draft_busy=draft_busy))
+    def decode(self, seq_id: int, pos: int, tokens, draft_busy: float = 0.0) -> Op:
+        """`draft_busy`: for about how many seconds the other worker computes
+        meanwhile (0: not; math.inf: unknown; DecodeRequest.busy_seconds)."""
+        return Op(partial(self._send_tracked, "decode", seq_id=seq_id, pos=pos, tokens=tokens,
+                          **_busy_fields(draft_busy)))
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> Op:
         return Op(partial(self._send, "seq_rm", seq_id=seq_id, p0=p0, p1=p1))
@@ -134,14 +147,14 @@ class _Ops:
         return Op(partial(self._send, "clear", seq_id=seq_id))
 
     def verify(self, seq_id: int, pos: int, tokens, sampling: Sampling, sample_index: int, trim: bool,
-               draft_busy: bool = False, draft_q=(), n_more: int = 0, stop_on_repeat: int = 0,
+               draft_busy: float = 0.0, draft_q=(), n_more: int = 0, stop_on_repeat: int = 0,
                stream_every: int = 0, on_partial: Callable[[VerifyPartial], None] | None = None) -> Op:
         """`draft_q`: the drafts' distributions (ProposeResult.q) for speculative
         sampling; `n_more`: tokens the target may generate on its own after
         its next, until a repeat of the last `stop_on_repeat` tokens if not 0,
         handed to `on_partial` every `stream_every` tokens as they come."""
         return Op(partial(self._send_tracked, "verify", seq_id=seq_id, pos=pos, tokens=tokens, sampling=sampling,
-                          sample_index=sample_index, trim=trim, draft_busy=draft_busy,
+                          sample_index=sample_index, trim=trim, **_busy_fields(draft_busy),
                           draft_q=list(draft_q), n_more=n_more, stop_on_repeat=stop_on_repeat,
                           stream_every=stream_every if on_partial else 0, on_partial=on_partial))
 
@@ -383,6 +396,7 @@ class LocalWorker(_Ops):
 
     async def _send(self, name: str, **f) -> asyncio.Future:
         f.pop("draft_busy", None)  # one process: nothing to share cores with
+        f.pop("busy_seconds", None)
         f.pop("target_busy", None)
         if f.get("on_partial") is not None:  # called on the engine's thread: hand it to the loop
             f["on_partial"] = partial(asyncio.get_running_loop().call_soon_threadsafe, f["on_partial"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from specd.engine import ModelInfo
@@ -20,6 +21,10 @@ log = logging.getLogger("specd.router")
 
 # a session re-syncs a draft found out of step at most this often, then goes on without it
 MAX_DRAFT_RESYNCS = 3
+# the draft's curves are timed on an idle machine, and two processes computing
+# at once slow each other: its work is priced this much longer, erring towards
+# the target leaving it its core (as it did for a whole batch before estimates)
+BUSY_MARGIN = 1.5
 
 
 class DraftLink:
@@ -38,6 +43,9 @@ class DraftLink:
         # holding an older epoch starts the draft over from position 0
         self.epoch = 0
         self.watcher: asyncio.Task | None = None
+        self._busy_until = 0.0  # time.monotonic() when what was sent to the draft should be computed
+        if client is not None:
+            client.on_compute = self._priced
 
     @property
     def busy(self) -> bool:
@@ -48,6 +56,34 @@ class DraftLink:
         if self.info is not None and self.info.kind != ModelEngine.kind:
             return False
         return getattr(self.client, "computing", 0) > 0
+
+    def busy_for(self) -> float:
+        """About how many seconds the draft still computes what was sent to
+        it (DecodeRequest.busy_seconds): 0 when it is not busy, math.inf
+        when its curves cannot tell."""
+        if not self.busy:
+            return 0.0
+        c = self.router.controller
+        if not len(c.draft):
+            return math.inf
+        # past the estimate but not answered yet: about a token more
+        return max(self._busy_until - time.monotonic(), c.draft(1))
+
+    def _priced(self, op: str, fields: dict) -> None:
+        """Add an operation sent to the draft to what it has to compute: a
+        decode (a catch-up) priced as a prompt, a proposal as its catch-up
+        and one decode per draft."""
+        c = self.router.controller
+        prompt = c.draft_prompt if len(c.draft_prompt) else c.draft
+        n = len(fields.get("tokens", ()))
+        if op == "propose":
+            seconds = (prompt(n - 1) if n > 1 else 0.0) + fields.get("n_max", 1) * c.draft(1)
+        else:
+            seconds = prompt(n)
+        seconds *= BUSY_MARGIN
+        now = time.monotonic()
+        start = max(self._busy_until, now) if self.client.computing else now
+        self._busy_until = start + seconds
 
     @property
     def match_needs_repeat(self) -> int:

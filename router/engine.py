@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import AsyncIterator, Callable
 
@@ -335,7 +336,7 @@ class Router:
         s.pending_t, s.pending_d = [], []
         if s.use_draft and draft_too and s.n_d < n:
             # beside the target's prefill, unless the prompt cache kept all of it there
-            busy = s.n_t < n or self.targets.busy
+            busy = math.inf if s.n_t < n or self.targets.busy else 0.0
             fut = await self.draft.client.decode(s.seq, s.n_d, s.ctx[s.n_d : n], draft_busy=busy).issue()
             if self.adaptive(s.p) and self.targets.n_sessions > 1:
                 # under load generation starts without waiting: steps do not draft until it is done
@@ -344,7 +345,7 @@ class Router:
             else:
                 pend_d.append(fut)
         if s.n_t < n:
-            pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n], draft_busy=self.draft.busy).issue())
+            pend_t.append(await s.target.decode(s.seq, s.n_t, s.ctx[s.n_t : n], draft_busy=self.draft.busy_for()).issue())
         results = await asyncio.gather(*pend_t, *pend_d, return_exceptions=True)
         for r in results[: len(pend_t)]:
             if isinstance(r, BaseException):

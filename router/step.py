@@ -252,7 +252,7 @@ async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Futur
                        p.stop_strings)
     t1 = time.perf_counter()
     ck_t = (await s.target.checkpoint_save(s.seq).issue()) if plan.ckpt and tokens else None
-    draft_busy = r.draft.busy
+    draft_busy = r.draft.busy_for()
     try:
         # without a distribution for every draft (n-gram, exact acceptance), exact match
         ver = await s.target.verify(s.seq, plan.n - 1, [s.ctx[-1]] + tokens, p.sampling, s.res.n_generated,
@@ -266,8 +266,8 @@ async def _verify(r, s: Session, plan: Plan, drafts: Drafts, cont: asyncio.Futur
             cont.add_done_callback(_consume)
         raise
     seconds = time.perf_counter() - t1
-    r.controller.observe_target(ver.batch_tokens, ver.batch_seconds, draft_busy)
-    return Verdict(ver, ck_t, seconds, draft_busy)
+    r.controller.observe_target(ver.batch_tokens, ver.batch_seconds, draft_busy > 0)
+    return Verdict(ver, ck_t, seconds, draft_busy > 0)
 
 
 # ------------------------------------------------------------- reconcile

@@ -195,9 +195,10 @@ class WorkerEngine:
     def info(self) -> ModelInfo:
         raise NotImplementedError
 
-    def share_cores(self, shared: bool) -> None:
-        """Whether the next batches run while the draft computes on the same
-        machine (see LlamaModel.share_cores); nothing to do without a model."""
+    def share_cores(self, busy_seconds: float) -> None:
+        """For about how long the next batches run while the other worker
+        computes on the same machine (0: not at all; math.inf: unknown, all
+        of them; see LlamaModel.share_cores); nothing to do without a model."""
 
     # -------------------------------------------------------------- validation
     def _check_seq(self, seq_id: int, name: str = "seq_id") -> SeqTokens:

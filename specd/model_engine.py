@@ -11,7 +11,7 @@ from specd.router.costs import COST_CHECK
 from specd.engine import Capabilities, ModelInfo, Steps, WorkerEngine
 from specd.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted, SpecdError
 from specd.llama import DecodeError, LlamaConfig, LlamaModel
-from specd.ubatch import DEFAULT_PASS_TOKENS, NO_FILL, Fill, Part, pass_tokens, plan_fill
+from specd.ubatch import DEFAULT_PASS_TOKENS, NO_FILL, Fill, Part, pass_tokens, plan_fill, shared_tokens
 
 
 log = logging.getLogger("specd.engine")
@@ -45,6 +45,7 @@ class ModelEngine(WorkerEngine):
         self.prompt_costs: tuple[tuple[int, float], ...] = ()
         self.pass_tokens = DEFAULT_PASS_TOKENS  # a model pass's fixed cost in tokens (specd.ubatch)
         self._retry_left = CALIBRATION_RETRY_SECONDS  # seconds left to time implausible curves again
+        self._shared_until = 0.0  # time.monotonic() until which the other worker computes (share_cores)
 
     def info(self) -> ModelInfo:
         m = self.model
@@ -69,8 +70,20 @@ class ModelEngine(WorkerEngine):
             prompt_costs=self.prompt_costs,
         )
 
-    def share_cores(self, shared: bool) -> None:
-        self.model.share_cores(shared)
+    def share_cores(self, busy_seconds: float) -> None:
+        self._shared_until = time.monotonic() + busy_seconds if busy_seconds > 0 else 0.0
+
+    def _lend_cores(self, n_tokens: int) -> int:
+        """Set the threads for the next llama_decode of a round with
+        `n_tokens` left, and return at most how many tokens it may take: on
+        the base threads only while the other worker is expected to compute
+        (specd.ubatch.shared_tokens), so a short draft operation does not
+        keep a long prompt batch off half the cores."""
+        left = self._shared_until - time.monotonic()
+        per_token = self.decode_costs_shared[-1][1] / self.decode_costs_shared[-1][0] if self.decode_costs_shared else 0.0
+        k = shared_tokens(n_tokens, left, per_token, self.pass_tokens)
+        self.model.share_cores(k > 0)
+        return k if 0 < k < n_tokens else self.model.n_batch
 
     def calibrate(self, max_tokens: int = 64, repeats: int = 3) -> None:
         """Time llama_decode for batches of 1, 2, 4 .. max_tokens tokens, each
@@ -90,11 +103,11 @@ class ModelEngine(WorkerEngine):
             log.info("prompt cost, last token's logits (tokens: ms): %s",
                      ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.prompt_costs))
         if self.model.threads[1] != self.model.threads[0]:
-            self.share_cores(True)
+            self.model.share_cores(True)
             try:
                 self.decode_costs_shared = self._time_decodes(max_tokens, repeats)
             finally:
-                self.share_cores(False)
+                self.model.share_cores(False)
             log.info("decode cost on %d threads (tokens: ms): %s", self.model.threads[0],
                      ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.decode_costs_shared))
 
@@ -184,21 +197,20 @@ class ModelEngine(WorkerEngine):
         raise type(exc)(f"{exc.message}; {note}") from exc
 
     def _decode_parts(self, parts: list[tuple]) -> list:
-        """Decode the parts in as few llama_decode calls as n_batch allows.
-        Logits of all but the last call are copied (the next call reuses the
-        buffer). A failed call leaves none of its parts behind."""
-        groups: list[list[int]] = []
-        size = 0
-        for i, p in enumerate(parts):
-            n = len(p[2])
-            if groups and size + n <= self.model.n_batch:
-                groups[-1].append(i)
-                size += n
-            else:
-                groups.append([i])
-                size = n
+        """Decode the parts in as few llama_decode calls as n_batch allows
+        (and _lend_cores: a call on the base threads takes only what fits
+        while the other worker computes). Logits of all but the last call
+        are copied (the next call reuses the buffer). A failed call leaves
+        none of its parts behind."""
         out: list = [None] * len(parts)
-        for g, idx in enumerate(groups):
+        start = 0
+        while start < len(parts):
+            cap = self._lend_cores(sum(len(p[2]) for p in parts[start:]))
+            idx, size = [start], len(parts[start][2])
+            while idx[-1] + 1 < len(parts) and size + len(parts[idx[-1] + 1][2]) <= cap:
+                idx.append(idx[-1] + 1)
+                size += len(parts[idx[-1]][2])
+            start = idx[-1] + 1
             t0 = time.perf_counter()
             fill = NO_FILL
             try:
@@ -219,7 +231,7 @@ class ModelEngine(WorkerEngine):
                 self.round_cost[parts[i][0]] = (n_tokens, seconds)
             if self.on_decode is not None:
                 self.on_decode(n_tokens, seconds, len(idx), self.model.threads_now)
-            last = g == len(groups) - 1
+            last = start == len(parts)
             for i, lg in zip(idx, logits):
                 out[i] = lg if last or lg is None else lg.copy()
         return out

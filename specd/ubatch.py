@@ -98,6 +98,21 @@ def plan_fill(parts: list[Part], free_gaps: set[int], pass_tokens: float, n_batc
     return best
 
 
+def shared_tokens(n_tokens: int, busy_left: float, seconds_per_token: float, pass_tokens: float) -> int:
+    """Of a round's `n_tokens` still to decode, how many to decode first on
+    the base threads, while the other worker still computes for `busy_left`
+    seconds (math.inf: unknown) at `seconds_per_token` there: all of them
+    when they take at most about twice that (splitting would cost a pass
+    for little), none when what is left is worth less than a pass, else
+    what fits in it; the rest then gets every core."""
+    if busy_left <= 0 or n_tokens <= 0:
+        return 0
+    if busy_left == float("inf") or seconds_per_token <= 0 or n_tokens * seconds_per_token <= 2 * busy_left:
+        return n_tokens
+    fit = int(busy_left / seconds_per_token)
+    return fit if fit >= pass_tokens else 0
+
+
 # What a pass is worth in tokens without a calibrated curve: about what the
 # default target's curve gives here (docs/batching.md).
 DEFAULT_PASS_TOKENS = 8.0

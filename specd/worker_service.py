@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import uuid
 from typing import Any, Callable, NamedTuple
 
@@ -62,10 +63,13 @@ def _steps(kind: str, e, r, on_partial: Callable[[VerifyPartial], None] | None =
     return getattr(e, f"{kind}_steps")(**args)
 
 
-def _other_busy(r) -> bool:
-    """Whether the other worker computes meanwhile (DecodeRequest.draft_busy,
-    ProposeRequest.target_busy): then decode on the base threads."""
-    return getattr(r, "target_busy", False) or getattr(r, "draft_busy", False)
+def _other_busy(r) -> float:
+    """For about how long the other worker computes meanwhile, to decode on
+    the base threads (DecodeRequest.draft_busy and busy_seconds,
+    ProposeRequest.target_busy): 0 not at all, math.inf unknown."""
+    if not (getattr(r, "target_busy", False) or getattr(r, "draft_busy", False)):
+        return 0.0
+    return getattr(r, "busy_seconds", 0.0) or math.inf
 
 
 def _call(kind: str, e, r):
@@ -100,7 +104,7 @@ def run_round(engine, window: Window) -> list[pb.WorkerResult]:
             slots.append(None)
         except SpecdError as exc:
             slots.append(codec.error_result_pb(exc, kind))
-    engine.share_cores(any(_other_busy(getattr(op, kind)) for kind, op in zip(kinds, ops)))
+    engine.share_cores(max((_other_busy(getattr(op, kind)) for kind, op in zip(kinds, ops)), default=0.0))
     results = iter(engine.run_batch(steps))
     for kind, slot in zip(kinds, slots):
         if slot is None:

@@ -2,6 +2,8 @@
 (split_equal, a KV stream per sequence) and the padding that saves passes."""
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, strategies as st
 
 from specd.ubatch import DEFAULT_PASS_TOKENS, NO_FILL, Fill, Part, cost, pass_tokens, passes, plan_fill
@@ -69,3 +71,28 @@ def test_a_pass_is_worth_the_intercept_of_the_cost_curve_in_tokens():
     assert abs(pass_tokens([(1, 0.011), (2, 0.012), (64, 0.074)]) - 10.0) < 1e-9
     assert pass_tokens([]) == DEFAULT_PASS_TOKENS
     assert pass_tokens([(1, 0.02), (8, 0.02)]) == DEFAULT_PASS_TOKENS
+
+
+def test_a_round_gives_up_cores_only_while_the_other_worker_computes():
+    """shared_tokens: the part of a round decoded on the base threads."""
+    from specd.ubatch import shared_tokens
+    # not busy: every core
+    assert shared_tokens(500, 0.0, 0.003, 8) == 0
+    # unknown for how long, or no curve to price the round: the whole round, as before
+    assert shared_tokens(500, math.inf, 0.003, 8) == 500
+    assert shared_tokens(500, 0.05, 0.0, 8) == 500
+    # a round that fits in about twice the draft's time is not split (a pass saved)
+    assert shared_tokens(30, 0.05, 0.003, 8) == 30
+    # a long prompt round beside a short draft operation: only what fits, then every core
+    assert shared_tokens(509, 0.09, 0.0035, 8) == 25
+    # what is left of the draft's work is worth less than a pass: every core at once
+    assert shared_tokens(509, 0.02, 0.0035, 8) == 0
+
+
+@given(st.integers(0, 2048), st.floats(0, 10), st.floats(1e-5, 0.01), st.floats(0, 64))
+def test_the_shared_part_of_a_round_is_within_it(n, left, per_token, pass_cost):
+    from specd.ubatch import shared_tokens
+    k = shared_tokens(n, left, per_token, pass_cost)
+    assert 0 <= k <= max(n, 0)
+    if 0 < k < n:  # split: what it takes fits in the draft's time, and is worth a pass
+        assert k * per_token <= left and k >= pass_cost

@@ -208,6 +208,7 @@ class DecodeRequest(_message.Message):
     POS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     DRAFT_BUSY_FIELD_NUMBER: _builtins.int
+    BUSY_SECONDS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     """Sequence to decode into."""
     pos: _builtins.int
@@ -218,6 +219,13 @@ class DecodeRequest(_message.Message):
     then decodes on --threads, leaving the cores it would borrow to the
     other (workers sharing one machine); a batch of several operations does
     so if any of them sets it.
+    """
+    busy_seconds: _builtins.float
+    """With draft_busy: about how many seconds the other worker still computes
+    for, counted from when this was sent (the router's estimate). The worker
+    then decodes on --threads only that long, splitting a longer batch, so a
+    short draft operation does not halve a long prompt batch. 0: unknown,
+    the whole batch.
     """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -230,10 +238,11 @@ class DecodeRequest(_message.Message):
         pos: _builtins.int = ...,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         draft_busy: _builtins.bool = ...,
+        busy_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "pos", b"pos", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_seconds", b"busy_seconds", "draft_busy", b"draft_busy", "pos", b"pos", "seq_id", b"seq_id", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -754,6 +763,7 @@ class VerifyRequest(_message.Message):
     SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
     TRIM_FIELD_NUMBER: _builtins.int
     DRAFT_BUSY_FIELD_NUMBER: _builtins.int
+    BUSY_SECONDS_FIELD_NUMBER: _builtins.int
     DRAFT_Q_FIELD_NUMBER: _builtins.int
     N_MORE_FIELD_NUMBER: _builtins.int
     STOP_ON_REPEAT_FIELD_NUMBER: _builtins.int
@@ -772,6 +782,8 @@ class VerifyRequest(_message.Message):
     """
     draft_busy: _builtins.bool
     """As DecodeRequest.draft_busy: the draft computes meanwhile."""
+    busy_seconds: _builtins.float
+    """As DecodeRequest.busy_seconds."""
     n_more: _builtins.int
     """After its next token, decode and sample up to n_more further tokens on
     its own, one at a time as a one-token verification would, stopping
@@ -820,6 +832,7 @@ class VerifyRequest(_message.Message):
         sample_index: _builtins.int = ...,
         trim: _builtins.bool = ...,
         draft_busy: _builtins.bool = ...,
+        busy_seconds: _builtins.float = ...,
         draft_q: _abc.Iterable[Global___TokenDistribution] | None = ...,
         n_more: _builtins.int = ...,
         stop_on_repeat: _builtins.int = ...,
@@ -827,7 +840,7 @@ class VerifyRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "stop_on_repeat", b"stop_on_repeat", "stream_every", b"stream_every", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_seconds", b"busy_seconds", "draft_busy", b"draft_busy", "draft_q", b"draft_q", "n_more", b"n_more", "pos", b"pos", "sample_index", b"sample_index", "sampling", b"sampling", "seq_id", b"seq_id", "stop_on_repeat", b"stop_on_repeat", "stream_every", b"stream_every", "tokens", b"tokens", "trim", b"trim"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
