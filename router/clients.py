@@ -16,8 +16,8 @@ issue a KV operation and the next decode without waiting in between
 from __future__ import annotations
 
 import asyncio
-import math
 import collections
+import math
 import uuid
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor

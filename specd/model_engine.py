@@ -206,11 +206,11 @@ class ModelEngine(WorkerEngine):
         start = 0
         while start < len(parts):
             cap = self._lend_cores(sum(len(p[2]) for p in parts[start:]))
-            idx, size = [start], len(parts[start][2])
-            while idx[-1] + 1 < len(parts) and size + len(parts[idx[-1] + 1][2]) <= cap:
-                idx.append(idx[-1] + 1)
-                size += len(parts[idx[-1]][2])
-            start = idx[-1] + 1
+            end, size = start + 1, len(parts[start][2])
+            while end < len(parts) and size + len(parts[end][2]) <= cap:
+                size += len(parts[end][2])
+                end += 1
+            idx, start = list(range(start, end)), end
             t0 = time.perf_counter()
             fill = NO_FILL
             try:
