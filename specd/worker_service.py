@@ -57,6 +57,8 @@ def _steps(kind: str, e, r, on_partial: Callable[[VerifyPartial], None] | None =
         raise Unimplemented(NOT_TARGET)
     if kind == "propose" and not e.capabilities.proposes:
         raise Unimplemented(NOT_DRAFT)
+    if not getattr(r, "busy_seconds", 0.0) >= 0:  # NaN too
+        raise InvalidArgument(f"busy_seconds must be a number >= 0, got {r.busy_seconds}", field="busy_seconds")
     args = codec.args_from_pb(kind, r)
     if kind == "verify":
         args.update(on_partial=on_partial, others_waiting=waiting)
@@ -104,7 +106,8 @@ def run_round(engine, window: Window) -> list[pb.WorkerResult]:
             slots.append(None)
         except SpecdError as exc:
             slots.append(codec.error_result_pb(exc, kind))
-    engine.share_cores(max((_other_busy(getattr(op, kind)) for kind, op in zip(kinds, ops)), default=0.0))
+    engine.share_cores(max((_other_busy(getattr(op, kind)) for kind, op, slot in zip(kinds, ops, slots)
+                            if slot is None), default=0.0))
     results = iter(engine.run_batch(steps))
     for kind, slot in zip(kinds, slots):
         if slot is None:

@@ -97,3 +97,22 @@ def test_the_router_prices_what_the_draft_has_to_compute():
         assert link.busy_for() == math.inf
 
     asyncio.run(main())
+
+
+def test_a_bad_busy_time_is_refused_by_name_and_decodes_nothing(models):
+    """busy_seconds below 0 or NaN: that operation fails naming the field;
+    the others of its round decode as usual."""
+    engine = TargetEngine(LlamaConfig(models["target"], n_ctx_seq=64, n_seq=2, n_threads=1, n_threads_batch=2))
+    try:
+        prompt = engine.tokenize("The capital of France is", True, False)
+        for bad in (-1.0, math.nan):
+            for seq in range(2):
+                engine.clear(seq)
+            ops = [pb.WorkerOp(decode=pb.DecodeRequest(seq_id=0, pos=0, tokens=prompt, draft_busy=True, busy_seconds=bad)),
+                   pb.WorkerOp(decode=pb.DecodeRequest(seq_id=1, pos=0, tokens=prompt, draft_busy=True, busy_seconds=0.05))]
+            refused, fine = run_round(engine, Window(batch=[Job(op) for op in ops]))
+            assert refused.WhichOneof("result") == "error" and "busy_seconds" in refused.error.message
+            assert engine.state(0).n_tokens == 0
+            assert fine.state.n_tokens == len(prompt)
+    finally:
+        engine.model.close()
